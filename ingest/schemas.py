@@ -1,0 +1,273 @@
+"""Event and example schemas: the contracts between gateway, webhook, workers and learner.
+
+Events travel on Kafka as JSON, keyed by tenant id (so each tenant's events stay ordered):
+
+| topic                | model               | produced by                         |
+|----------------------|---------------------|-------------------------------------|
+| `clora.interactions` | `InteractionEvent`  | the serving gateway, one per completion |
+| `clora.feedback`     | `FeedbackEvent`     | the feedback webhook                |
+| `clora.adapters`     | `AdapterEvent`      | the learner / control plane         |
+| `clora.dlq`          | `DeadLetter`        | anyone who could not process a record |
+
+Training examples are what ingest workers write into a tenant's replay buffer:
+`SFTExample`, `PreferencePair`, `RLSample`. Every model carries `schema_version`; a
+reader rejects a major version it does not know. Examples of each event are in
+docs/events.md (and tests check that those examples validate).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+TOPIC_INTERACTIONS = "clora.interactions"
+TOPIC_FEEDBACK = "clora.feedback"
+TOPIC_ADAPTERS = "clora.adapters"
+TOPIC_DLQ = "clora.dlq"
+ALL_TOPICS = (TOPIC_INTERACTIONS, TOPIC_FEEDBACK, TOPIC_ADAPTERS, TOPIC_DLQ)
+
+TENANT_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+"""Tenant ids are short slugs: they appear in Redis keys, adapter names and URLs."""
+
+Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
+
+
+def new_id(prefix: str = "ev") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> float:
+    return time.time()
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Event(_Model):
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+def validate_tenant_id(value: str) -> str:
+    if not TENANT_ID_RE.match(value):
+        raise ValueError("tenant id must be 1-63 chars of a-z, 0-9, '_' or '-', starting with a letter or digit")
+    return value
+
+
+# --- chat messages (OpenAI shape) ---------------------------------------------------------
+
+class FunctionCall(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=65_536)
+    """JSON-encoded arguments, exactly as the OpenAI API carries them."""
+
+
+class ToolCall(_Model):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    """One chat message. `content` may be None for an assistant message that only calls tools."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | None = Field(default=None, max_length=200_000)
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=64)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "Message":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content or tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+
+# --- events -------------------------------------------------------------------------------
+
+class InteractionEvent(_Event):
+    """One completion served by the gateway."""
+
+    type: Literal["interaction"] = "interaction"
+    event_id: Id = Field(default_factory=lambda: new_id("ev"))
+    tenant: str
+    interaction_id: Id
+    """The response `id` the client saw; feedback refers to it."""
+    time: float = Field(default_factory=now)
+    adapter: str | None = None
+    """Served adapter name (`acme@v7`), None for the base model."""
+    adapter_version: int | None = Field(default=None, ge=0)
+    messages: list[Message] = Field(min_length=1, max_length=1000)
+    tools: list[dict[str, Any]] | None = None
+    response: Message
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    completion_logprobs: list[float] | None = None
+    """Sampling logprob of each completion token under the serving policy (behaviour policy)."""
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    """temperature, top_p, max_tokens, ... as requested."""
+    group_id: Id | None = None
+    """Rollouts of the same prompt share a group id (GRPO advantages are normalised per group)."""
+    latency_ms: float | None = Field(default=None, ge=0)
+
+    _tenant = field_validator("tenant")(validate_tenant_id)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "InteractionEvent":
+        if self.response.role != "assistant":
+            raise ValueError("response must be an assistant message")
+        ids, lps = self.completion_token_ids, self.completion_logprobs
+        if lps is not None and (ids is None or len(ids) != len(lps)):
+            raise ValueError("completion_logprobs must align one-to-one with completion_token_ids")
+        return self
+
+
+FeedbackSource = Literal["user", "operator", "environment", "judge"]
+
+
+class FeedbackIn(_Model):
+    """A feedback record as a client sends it to `POST /v1/feedback`.
+
+    Field names follow LangSmith's feedback records (`key`, `score`, `comment`,
+    `correction`, `feedback_source`→`source`) so existing tooling maps onto it.
+    """
+
+    interaction_id: Id
+    """The `id` of the chat completion this feedback is about."""
+    event_id: Id | None = None
+    """Client-chosen id for idempotent retries; the server assigns one when absent."""
+    source: FeedbackSource = "user"
+    score: float | None = Field(default=None, ge=-1e6, le=1e6, allow_inf_nan=False)
+    """A reward. For RL, 1.0 = correct; any real number is accepted."""
+    correction: Message | None = None
+    """The assistant message as it should have been (role must be assistant)."""
+    comment: str | None = Field(default=None, max_length=10_000)
+    key: str | None = Field(default=None, max_length=128)
+    """What was judged: "correctness", "helpfulness", ..."""
+    time: float | None = None
+
+    @model_validator(mode="after")
+    def _useful(self) -> "FeedbackIn":
+        if self.score is None and self.correction is None and self.comment is None:
+            raise ValueError("feedback needs at least one of score, correction, comment")
+        if self.correction is not None and self.correction.role != "assistant":
+            raise ValueError("correction must be an assistant message")
+        return self
+
+
+class FeedbackBatchIn(_Model):
+    records: list[FeedbackIn] = Field(min_length=1)
+
+
+class FeedbackEvent(_Event):
+    """A feedback record accepted by the webhook, as it travels on `clora.feedback`."""
+
+    type: Literal["feedback"] = "feedback"
+    event_id: Id
+    tenant: str
+    interaction_id: Id
+    time: float
+    source: FeedbackSource
+    score: float | None = None
+    correction: Message | None = None
+    comment: str | None = None
+    key: str | None = None
+
+    _tenant = field_validator("tenant")(validate_tenant_id)
+
+    @classmethod
+    def accept(cls, tenant: str, record: FeedbackIn) -> "FeedbackEvent":
+        return cls(
+            event_id=record.event_id or new_id("fb"), tenant=tenant,
+            interaction_id=record.interaction_id, time=record.time or now(),
+            source=record.source, score=record.score, correction=record.correction,
+            comment=record.comment, key=record.key,
+        )
+
+
+class AdapterEvent(_Event):
+    """A tenant's adapter version was published, promoted or rolled back."""
+
+    type: Literal["adapter"] = "adapter"
+    event_id: Id = Field(default_factory=lambda: new_id("ad"))
+    tenant: str
+    action: Literal["published", "promoted", "rolled_back"]
+    version: int = Field(ge=0)
+    path: str
+    """Folder holding adapter_config.json + adapter_model.safetensors for this version."""
+    base_model: str
+    parent_version: int | None = None
+    time: float = Field(default_factory=now)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    _tenant = field_validator("tenant")(validate_tenant_id)
+
+
+class DeadLetter(_Event):
+    """A record that failed validation or processing, with the reason. Never silently dropped."""
+
+    type: Literal["dead_letter"] = "dead_letter"
+    event_id: Id = Field(default_factory=lambda: new_id("dl"))
+    source_topic: str
+    source_partition: int | None = None
+    source_offset: int | None = None
+    key: str | None = None
+    reason: str
+    payload: str
+    """The original record value, decoded as UTF-8 (with replacement)."""
+    time: float = Field(default_factory=now)
+
+
+# --- training examples (replay buffers) ---------------------------------------------------
+
+class _Example(_Model):
+    example_id: str
+    """Derived from the feedback event id, so a redelivered event maps to the same example."""
+    tenant: str
+    interaction_id: str
+    feedback_event_id: str
+    adapter_version: int | None = None
+    """Version that produced the original answer (lineage)."""
+    time: float
+
+
+class SFTExample(_Example):
+    kind: Literal["sft"] = "sft"
+    messages: list[Message]
+    """The prompt: every message before the answer."""
+    tools: list[dict[str, Any]] | None = None
+    target: Message
+    """The assistant message to learn (an operator's correction)."""
+
+
+class PreferencePair(_Example):
+    kind: Literal["preference"] = "preference"
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    chosen: Message
+    rejected: Message
+
+
+class RLSample(_Example):
+    kind: Literal["rl"] = "rl"
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    response: Message
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    behaviour_logprobs: list[float] | None = None
+    reward: float
+    group_id: str
+
+
+Example = Annotated[SFTExample | PreferencePair | RLSample, Field(discriminator="kind")]
+EXAMPLE_KINDS = ("sft", "preference", "rl")
