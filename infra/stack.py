@@ -58,7 +58,7 @@ def _broker_answers(settings: BrokerSettings) -> bool:
 
     try:
         admin = KafkaAdminClient(bootstrap_servers=f"{settings.host}:{settings.port}",
-                                 request_timeout_ms=2000, api_version_auto_timeout_ms=2000)
+                                 request_timeout_ms=2000)
     except (KafkaError, OSError, ValueError):
         return False
     try:

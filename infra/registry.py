@@ -1,0 +1,247 @@
+"""The control-plane registry in Redis: tenants, hashed API keys, learning policy, adapter
+versions and which one is live.
+
+Keys (all under `clora:`):
+
+    clora:tenants                      set of tenant ids
+    clora:tenant:{id}                  JSON of `Tenant` (policy included)
+    clora:tenant:{id}:keys             hash key_id -> JSON of `ApiKeyRecord` (hash, created, revoked)
+    clora:apikey:{sha256(key)}         the tenant id and key id a key belongs to (lookup)
+    clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
+    clora:tenant:{id}:live             the live version number
+
+API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
+256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
+or rotation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from typing import Literal
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from clora.ingest.schemas import validate_tenant_id
+
+PREFIX = "clora:"
+
+
+class RegistryError(Exception):
+    """A registry operation was refused (unknown tenant, duplicate id, bad key...)."""
+
+
+class TenantNotFound(RegistryError):
+    pass
+
+
+class LearningPolicy(BaseModel):
+    """How the learner treats one tenant. Validated on every write."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    paused: bool = False
+    algorithm: Literal["sft", "dpo", "rl"] = "sft"
+    learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
+    batch_size: int = Field(default=8, ge=1, le=1024)
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    """Fair-share weight in the tenant scheduler."""
+    priority: int = Field(default=0, ge=-10, le=10)
+    min_new_examples: int = Field(default=1, ge=1, le=100_000)
+    """A tenant trains only once this many examples arrived since its last step."""
+    rank: int = Field(default=8, ge=1, le=256)
+    alpha: float = Field(default=16.0, gt=0, le=4096)
+    buffer_capacity: int | None = Field(default=None, ge=1, le=10_000_000)
+    """Per-kind replay-buffer capacity (None: the ingest default)."""
+    eval_tolerance: float = Field(default=0.02, ge=0, le=1)
+    """A new version is published unless its held-out score is worse than live by more."""
+
+
+class Tenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    name: str = Field(default="", max_length=200)
+    created_at: float = Field(default_factory=time.time)
+    policy: LearningPolicy = Field(default_factory=LearningPolicy)
+    signing_secret: str | None = None
+    """When set, feedback requests must carry an HMAC signature made with it."""
+
+    _id = field_validator("id")(validate_tenant_id)
+
+
+class ApiKeyRecord(BaseModel):
+    key_id: str
+    sha256: str
+    created_at: float
+    revoked_at: float | None = None
+
+
+class ApiKeyPrincipal(BaseModel):
+    """Who a presented API key belongs to."""
+
+    tenant: str
+    key_id: str
+
+
+class AdapterVersion(BaseModel):
+    """One published adapter version and its lineage."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: int = Field(ge=0)
+    path: str
+    base_model: str
+    parent_version: int | None = None
+    step: int = 0
+    examples_seen: int = 0
+    eval_scores: dict[str, float] = Field(default_factory=dict)
+    feedback_window: tuple[float, float] | None = None
+    """(first, last) time of the feedback this version was trained on."""
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _parent_before(self) -> "AdapterVersion":
+        if self.parent_version is not None and self.parent_version >= self.version:
+            raise ValueError("parent_version must be older than version")
+        return self
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_api_key() -> tuple[str, str]:
+    """A fresh (key_id, key). The key embeds its id so a leaked log line names the key."""
+    key_id = secrets.token_hex(4)
+    return key_id, f"clk_{key_id}_{secrets.token_urlsafe(32)}"
+
+
+class Registry:
+    """Tenants, keys and adapter versions. Thread-safe as long as the client is."""
+
+    def __init__(self, client: redis.Redis):
+        self.r = client
+
+    # --- tenants --------------------------------------------------------------------------
+
+    def create_tenant(self, tenant_id: str, *, name: str = "", policy: LearningPolicy | None = None,
+                      signing_secret: str | None = None) -> tuple[Tenant, str]:
+        """Create a tenant and its first API key. Returns (tenant, key): the key is shown once."""
+        tenant = Tenant(id=tenant_id, name=name, policy=policy or LearningPolicy(),
+                        signing_secret=signing_secret)
+        if not self.r.sadd(PREFIX + "tenants", tenant.id):
+            raise RegistryError(f"tenant {tenant.id!r} already exists")
+        self.r.set(self._tkey(tenant.id), tenant.model_dump_json())
+        return tenant, self.create_key(tenant.id)
+
+    def get_tenant(self, tenant_id: str) -> Tenant:
+        raw = self.r.get(self._tkey(tenant_id))
+        if raw is None:
+            raise TenantNotFound(f"no tenant {tenant_id!r}")
+        return Tenant.model_validate_json(raw)
+
+    def list_tenants(self) -> list[Tenant]:
+        ids = sorted(i.decode() for i in self.r.smembers(PREFIX + "tenants"))
+        raws = self.r.mget([self._tkey(i) for i in ids]) if ids else []
+        return [Tenant.model_validate_json(raw) for raw in raws if raw is not None]
+
+    def update_policy(self, tenant_id: str, **changes: object) -> LearningPolicy:
+        """Apply validated changes to a tenant's policy (unknown fields are refused)."""
+        tenant = self.get_tenant(tenant_id)
+        policy = LearningPolicy.model_validate({**tenant.policy.model_dump(), **changes})
+        self._save(tenant.model_copy(update={"policy": policy}))
+        return policy
+
+    def set_signing_secret(self, tenant_id: str, secret: str | None) -> None:
+        tenant = self.get_tenant(tenant_id)
+        self._save(tenant.model_copy(update={"signing_secret": secret}))
+
+    def _save(self, tenant: Tenant) -> None:
+        self.r.set(self._tkey(tenant.id), tenant.model_dump_json())
+
+    # --- API keys -------------------------------------------------------------------------
+
+    def create_key(self, tenant_id: str) -> str:
+        self.get_tenant(tenant_id)
+        key_id, key = new_api_key()
+        rec = ApiKeyRecord(key_id=key_id, sha256=hash_key(key), created_at=time.time())
+        pipe = self.r.pipeline()
+        pipe.hset(self._tkey(tenant_id) + ":keys", key_id, rec.model_dump_json())
+        pipe.set(PREFIX + "apikey:" + rec.sha256, json.dumps({"tenant": tenant_id, "key_id": key_id}))
+        pipe.execute()
+        return key
+
+    def list_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        raw = self.r.hgetall(self._tkey(tenant_id) + ":keys")
+        return sorted((ApiKeyRecord.model_validate_json(v) for v in raw.values()), key=lambda k: k.created_at)
+
+    def revoke_key(self, tenant_id: str, key_id: str) -> None:
+        raw = self.r.hget(self._tkey(tenant_id) + ":keys", key_id)
+        if raw is None:
+            raise RegistryError(f"tenant {tenant_id!r} has no key {key_id!r}")
+        rec = ApiKeyRecord.model_validate_json(raw)
+        rec.revoked_at = rec.revoked_at or time.time()
+        pipe = self.r.pipeline()
+        pipe.hset(self._tkey(tenant_id) + ":keys", key_id, rec.model_dump_json())
+        pipe.delete(PREFIX + "apikey:" + rec.sha256)
+        pipe.execute()
+
+    def rotate_key(self, tenant_id: str, key_id: str | None = None) -> str:
+        """Issue a new key and revoke `key_id` (or every active key when None)."""
+        new_key = self.create_key(tenant_id)
+        new_id = new_key.split("_")[1]
+        for rec in self.list_keys(tenant_id):
+            if rec.revoked_at is None and rec.key_id != new_id and key_id in (None, rec.key_id):
+                self.revoke_key(tenant_id, rec.key_id)
+        return new_key
+
+    def authenticate(self, key: str) -> ApiKeyPrincipal | None:
+        """The tenant a key belongs to, or None for an unknown or revoked key."""
+        if not key.startswith("clk_") or len(key) > 200:
+            return None
+        raw = self.r.get(PREFIX + "apikey:" + hash_key(key))
+        if raw is None:
+            return None
+        return ApiKeyPrincipal.model_validate_json(raw)
+
+    # --- adapter versions -----------------------------------------------------------------
+
+    def record_adapter_version(self, tenant_id: str, version: AdapterVersion) -> None:
+        if not self.r.hsetnx(self._tkey(tenant_id) + ":versions", str(version.version), version.model_dump_json()):
+            raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}")
+
+    def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]:
+        raw = self.r.hgetall(self._tkey(tenant_id) + ":versions")
+        return sorted((AdapterVersion.model_validate_json(v) for v in raw.values()), key=lambda v: v.version)
+
+    def adapter_version(self, tenant_id: str, version: int) -> AdapterVersion:
+        raw = self.r.hget(self._tkey(tenant_id) + ":versions", str(version))
+        if raw is None:
+            raise RegistryError(f"tenant {tenant_id!r} has no adapter version {version}")
+        return AdapterVersion.model_validate_json(raw)
+
+    def set_live_version(self, tenant_id: str, version: int | None) -> None:
+        if version is None:
+            self.r.delete(self._tkey(tenant_id) + ":live")
+            return
+        self.adapter_version(tenant_id, version)  # must exist
+        self.r.set(self._tkey(tenant_id) + ":live", version)
+
+    def live_version(self, tenant_id: str) -> int | None:
+        raw = self.r.get(self._tkey(tenant_id) + ":live")
+        return int(raw) if raw is not None else None
+
+    @staticmethod
+    def _tkey(tenant_id: str) -> str:
+        return f"{PREFIX}tenant:{tenant_id}"
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    """The webhook signature: hex HMAC-SHA256 of `"{timestamp}." + body`."""
+    return hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()

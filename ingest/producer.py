@@ -1,0 +1,124 @@
+"""Kafka producing for clora: topic creation and an acks=all producer whose writes can be
+awaited from asyncio (the webhook answers 202 only after the broker acknowledged).
+
+    producer = EventProducer(bootstrap)
+    await producer.send_and_wait(TOPIC_FEEDBACK, key=tenant, value=event.model_dump_json())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from kafka import KafkaAdminClient, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from clora.ingest.schemas import ALL_TOPICS
+
+log = logging.getLogger(__name__)
+
+
+class BrokerUnavailable(RuntimeError):
+    """The broker did not acknowledge a write in time: the event was NOT stored."""
+
+
+def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL_TOPICS) -> None:
+    """Create clora's topics if missing (idempotent)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    try:
+        existing = set(admin.list_topics())
+        missing = [NewTopic(t, partitions, 1) for t in topics if t not in existing]
+        if missing:
+            try:
+                admin.create_topics(missing)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+class EventProducer:
+    """One acks=all producer shared by a process. `send_and_wait` raises `BrokerUnavailable`
+    unless the broker acknowledged within `timeout_s`."""
+
+    def __init__(self, bootstrap: str, *, timeout_s: float = 5.0, linger_ms: int = 2):
+        self.timeout_s = timeout_s
+        self._producer = KafkaProducer(
+            bootstrap_servers=bootstrap,
+            acks="all",
+            linger_ms=linger_ms,
+            retries=3,
+            max_block_ms=int(timeout_s * 1000),       # metadata waits count against the same budget
+            request_timeout_ms=max(1000, int(timeout_s * 1000)),
+            max_in_flight_requests_per_connection=5,
+            batch_size=256 * 1024,
+        )
+        self._lock = threading.Lock()
+
+    def send(self, topic: str, key: str, value: str | bytes):
+        """Queue one record; returns kafka-python's future. Raises BrokerUnavailable if the
+        producer cannot even queue it (no metadata within the timeout)."""
+        payload = value.encode() if isinstance(value, str) else value
+        try:
+            return self._producer.send(topic, key=key.encode(), value=payload)
+        except KafkaError as e:
+            raise BrokerUnavailable(f"could not queue a record for {topic}: {e}") from e
+
+    def send_sync(self, topic: str, key: str, value: str | bytes) -> None:
+        fut = self.send(topic, key, value)
+        try:
+            fut.get(timeout=self.timeout_s)
+        except KafkaError as e:
+            raise BrokerUnavailable(f"broker did not acknowledge a write to {topic}: {e}") from e
+
+    async def send_and_wait(self, topic: str, key: str, value: str | bytes) -> None:
+        await self.send_many_and_wait(topic, [(key, value)])
+
+    async def send_many_and_wait(self, topic: str, records: list[tuple[str, str | bytes]]) -> None:
+        """Queue records and wait until the broker acknowledged every one of them."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        remaining = len(records)
+        errors: list[BaseException] = []
+
+        def settle(exc: BaseException | None) -> None:
+            nonlocal remaining
+            if exc is not None:
+                errors.append(exc)
+            remaining -= 1
+            if remaining == 0 and not done.done():
+                done.set_result(None)
+
+        def ok(_metadata) -> None:
+            loop.call_soon_threadsafe(settle, None)
+
+        def failed(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(settle, exc)
+
+        # send() may block for metadata (up to max_block_ms): keep it off the event loop.
+        def queue_all() -> None:
+            for key, value in records:
+                fut = self.send(topic, key, value)
+                fut.add_callback(ok)
+                fut.add_errback(failed)
+
+        try:
+            await asyncio.to_thread(queue_all)
+        except BrokerUnavailable:
+            raise
+        try:
+            await asyncio.wait_for(done, timeout=self.timeout_s)
+        except asyncio.TimeoutError as e:
+            raise BrokerUnavailable(f"broker did not acknowledge {remaining} of {len(records)} writes "
+                                    f"to {topic} within {self.timeout_s} s") from e
+        if errors:
+            raise BrokerUnavailable(f"broker refused {len(errors)} of {len(records)} writes to {topic}: "
+                                    f"{errors[0]}") from errors[0]
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._producer.flush(timeout)
+
+    def close(self) -> None:
+        self._producer.close(timeout=self.timeout_s)
