@@ -9,6 +9,7 @@ Keys (all under `clora:`):
     clora:apikey:{sha256(key)}         the tenant id and key id a key belongs to (lookup)
     clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
     clora:tenant:{id}:live             the live version number
+    clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
 
 API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
 256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
@@ -209,6 +210,17 @@ class Registry:
         if raw is None:
             return None
         return ApiKeyPrincipal.model_validate_json(raw)
+
+    # --- interaction ownership ---------------------------------------------------------------
+
+    def claim_interaction(self, interaction_id: str, tenant_id: str, ttl_s: int = 7 * 24 * 3600) -> None:
+        """Record which tenant an interaction id was served to (the gateway calls this before
+        answering), so feedback from another tenant's key can be refused."""
+        self.r.set(f"{PREFIX}iowner:{interaction_id}", tenant_id, ex=ttl_s)
+
+    def interaction_owner(self, interaction_id: str) -> str | None:
+        raw = self.r.get(f"{PREFIX}iowner:{interaction_id}")
+        return raw.decode() if raw is not None else None
 
     # --- adapter versions -----------------------------------------------------------------
 
