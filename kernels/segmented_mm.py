@@ -7,10 +7,10 @@ module holds the Triton kernel and its pure-torch reference; the reference is th
 Semantics:
     for i in range(num_adapters):
         s, e = seg_starts[i], seg_starts[i + 1]
-        out[s:e] (+)= (x[s:e] @ w[i]) * scale[i]      # fp32 accumulation
+        out[s:e] (+)= (x[s:e] @ w[i]) * scale[i]      # fp32 accumulation (fp64 for fp64)
     rows outside every segment (base-only tokens) are left untouched (or zero in a new out)
 
-    x:     (tokens, k)            fp32 | fp16 | bf16, rows sorted by adapter slot
+    x:     (tokens, k)            fp32 | fp16 | bf16 (fp64 in the reference only), rows sorted by adapter slot
     w:     (num_adapters, k, n)   same dtype as x; any strides (transposed views welcome)
     scale: (num_adapters,) fp32 or None (all ones)
     out:   (tokens, n)            dtype of x; written in place when given
@@ -52,14 +52,15 @@ def segmented_mm_reference(
     """Pure-torch segmented matmul (see the module's Semantics). Returns `out`."""
     _check(x, w, meta, scale)
     out, _ = _output(x, w.shape[2], out)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation; float64 stays float64
     for i in range(meta.num_adapters):
         rows = meta.segment(i)
         if rows.start == rows.stop:
             continue
-        part = x[rows].float() @ w[i].float()  # (seg_len, n) fp32
+        part = x[rows].to(acc) @ w[i].to(acc)  # (seg_len, n)
         if scale is not None:
-            part = part * scale[i].float()
-        out[rows] = (out[rows].float() + part).to(out.dtype)  # accumulate in fp32, like the kernel
+            part = part * scale[i].to(acc)
+        out[rows] = (out[rows].to(acc) + part).to(out.dtype)  # add before rounding, like the kernel
     return out
 
 

@@ -7,7 +7,7 @@ reference; the reference is the CPU path.
 Semantics:
     for i in range(num_adapters):
         s, e = seg_starts[i], seg_starts[i + 1]
-        dw[i] = (a[s:e]^T @ b[s:e]) * scale[i]      # fp32 accumulation; zeros if s == e
+        dw[i] = (a[s:e]^T @ b[s:e]) * scale[i]      # fp32 (fp64 for fp64) accumulation; zeros if s == e
 
     a:     (tokens, p)   fp32 | fp16 | bf16, rows sorted by adapter slot
     b:     (tokens, q)   same dtype as a
@@ -42,14 +42,15 @@ def segmented_weight_grad_reference(
 ) -> torch.Tensor:
     """Pure-torch segmented weight gradient (see the module's Semantics)."""
     _check(a, b, meta, scale)
-    dw = torch.zeros(meta.num_adapters, a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
+    acc = torch.promote_types(a.dtype, torch.float32)  # fp32 accumulation; float64 stays float64
+    dw = torch.zeros(meta.num_adapters, a.shape[1], b.shape[1], dtype=acc, device=a.device)
     for i in range(meta.num_adapters):
         rows = meta.segment(i)
         if rows.start == rows.stop:
             continue
-        dw[i] = a[rows].float().T @ b[rows].float()  # (p, q)
+        dw[i] = a[rows].to(acc).T @ b[rows].to(acc)  # (p, q)
         if scale is not None:
-            dw[i] *= scale[i].float()
+            dw[i] *= scale[i].to(acc)
     return dw.to(out_dtype or a.dtype)
 
 
