@@ -222,6 +222,10 @@ class Registry:
         raw = self.r.get(f"{PREFIX}iowner:{interaction_id}")
         return raw.decode() if raw is not None else None
 
+    def interaction_owners(self, interaction_ids: list[str]) -> list[str | None]:
+        raws = self.r.mget([f"{PREFIX}iowner:{i}" for i in interaction_ids])
+        return [raw.decode() if raw is not None else None for raw in raws]
+
     # --- adapter versions -----------------------------------------------------------------
 
     def record_adapter_version(self, tenant_id: str, version: AdapterVersion) -> None:

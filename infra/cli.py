@@ -1,0 +1,164 @@
+"""The `clora` command line.
+
+    clora up                          # the whole platform on embedded defaults
+    clora tenant create acme          # prints the API key once
+    clora tenant list | rotate-key | revoke-key
+    clora webhook | ingest-worker     # single services, for running them apart
+
+Every command reads the same settings (`CLORA_*` environment variables, see
+infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from clora.infra.settings import IngestSettings, PlatformSettings, WebhookSettings
+
+app = typer.Typer(help="clora: continuous learning for LLM agents", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
+tenant_app = typer.Typer(help="Tenants and their API keys", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+console = Console()
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _urls() -> tuple[str, str]:
+    from clora.infra.stack import LocalStack
+
+    stack = LocalStack()
+    return stack.kafka_bootstrap, stack.redis_url
+
+
+def _registry():
+    import redis
+
+    from clora.infra.registry import Registry
+
+    url = _urls()[1]
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.ConnectionError as e:
+        console.print(f"[red]error:[/] cannot reach Redis at {url} ({e}). Is `clora up` running, "
+                      "or CLORA_REDIS_URL set?")
+        raise typer.Exit(2) from e
+    return Registry(client)
+
+
+@tenant_app.command("create")
+def tenant_create(tenant_id: str, name: str = typer.Option("", help="Display name"),
+                  signing_secret: bool = typer.Option(False, help="Require HMAC-signed feedback requests"),
+                  as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
+    """Create a tenant. Its API key is shown once, now."""
+    secret = secrets.token_urlsafe(32) if signing_secret else None
+    try:
+        tenant, key = _registry().create_tenant(tenant_id, name=name, signing_secret=secret)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    if as_json:
+        print(json.dumps({"tenant": tenant.id, "api_key": key, "signing_secret": secret}))
+        return
+    console.print(f"tenant [bold]{tenant.id}[/] created")
+    console.print(f"API key (shown once): [bold green]{key}[/]")
+    if secret:
+        console.print(f"signing secret (shown once): [bold yellow]{secret}[/]")
+
+
+@tenant_app.command("list")
+def tenant_list():
+    """List tenants with their policy and live adapter version."""
+    reg = _registry()
+    table = Table("tenant", "name", "algorithm", "paused", "live version", "active keys")
+    for t in reg.list_tenants():
+        keys = sum(k.revoked_at is None for k in reg.list_keys(t.id))
+        table.add_row(t.id, t.name, t.policy.algorithm, str(t.policy.paused), str(reg.live_version(t.id)), str(keys))
+    console.print(table)
+
+
+@tenant_app.command("rotate-key")
+def tenant_rotate_key(tenant_id: str, key_id: str = typer.Option(None, help="Revoke only this key (default: all)")):
+    """Issue a new API key (shown once) and revoke the old one(s)."""
+    from clora.infra.registry import RegistryError
+
+    try:
+        key = _registry().rotate_key(tenant_id, key_id)
+    except RegistryError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    console.print(f"new API key (shown once): [bold green]{key}[/]")
+
+
+@tenant_app.command("revoke-key")
+def tenant_revoke_key(tenant_id: str, key_id: str):
+    """Revoke one API key (its id is the part after `clk_`)."""
+    from clora.infra.registry import RegistryError
+
+    try:
+        _registry().revoke_key(tenant_id, key_id)
+    except RegistryError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    console.print(f"key {key_id} of {tenant_id} revoked")
+
+
+@app.command("webhook")
+def webhook(log_level: str = "INFO"):
+    """Run the feedback webhook (HTTP)."""
+    import uvicorn
+
+    from clora.ingest.webhook import build
+
+    _logging(log_level)
+    s = WebhookSettings()
+    bootstrap, redis_url = _urls()
+    uvicorn.run(build(s, bootstrap, redis_url), host=s.host, port=s.port, log_level=log_level.lower(),
+                access_log=False)
+
+
+@app.command("ingest-worker")
+def ingest_worker(client_id: str = typer.Option("clora-ingest", help="Consumer client id"), log_level: str = "INFO"):
+    """Run one ingest worker (a consumer-group member)."""
+    from clora.ingest.worker import main
+
+    _logging(log_level)
+    bootstrap, redis_url = _urls()
+    main(IngestSettings(), bootstrap, redis_url, client_id=client_id)
+
+
+@app.command("up")
+def up(log_level: str = "INFO"):
+    """Run the whole platform on this machine until Ctrl-C."""
+    from clora.infra.platform import Platform
+
+    _logging(log_level)
+    platform = Platform(PlatformSettings())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with platform:
+        platform.print_summary(console)
+        stop.wait()
+    console.print("stopped")
+
+
+def main() -> None:  # python -m clora.infra.cli
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

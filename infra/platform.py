@@ -1,0 +1,79 @@
+"""The whole platform on one machine: what `clora up` starts, in order, and stops in reverse.
+
+    broker + Redis (embedded unless configured)  ->  topics  ->  webhook  ->  ingest workers
+
+Services other than the broker and Redis run as supervised child processes of this one
+(`python -m clora.infra.cli <service>`), restarted when they die, each logging to
+`<data_dir>/logs/<service>.log`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from rich.console import Console
+
+from clora.infra.settings import BrokerSettings, IngestSettings, PlatformSettings, WebhookSettings
+from clora.infra.stack import LocalStack
+from clora.infra.supervisor import ManagedProcess, port_open
+from clora.ingest.producer import ensure_topics
+
+
+def service_process(name: str, args: list[str], env: dict[str, str], logs, healthy=lambda: True,
+                    start_timeout_s: float = 60.0) -> ManagedProcess:
+    return ManagedProcess(name=name, argv=[sys.executable, "-m", "clora.infra.cli", *args],
+                          log_path=logs / f"{name}.log", healthy=healthy, env=env,
+                          start_timeout_s=start_timeout_s, restart=True)
+
+
+@dataclass
+class Platform:
+    settings: PlatformSettings = field(default_factory=PlatformSettings)
+    stack: LocalStack | None = None
+    services: dict[str, ManagedProcess] = field(default_factory=dict)
+
+    def start(self) -> "Platform":
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.stack = LocalStack(platform=self.settings).start()
+        try:
+            ensure_topics(self.stack.kafka_bootstrap, BrokerSettings().partitions)
+            env = {"CLORA_KAFKA_BOOTSTRAP": self.stack.kafka_bootstrap, "CLORA_REDIS_URL": self.stack.redis_url,
+                   "CLORA_DATA_DIR": str(self.settings.data_dir)}
+            logs = self.settings.logs_dir
+            wh = WebhookSettings()
+            self._add(service_process("webhook", ["webhook"], env, logs, lambda: port_open(wh.host, wh.port)))
+            for i in range(IngestSettings().workers):
+                worker_env = env if i == 0 else {**env, "CLORA_INGEST_METRICS_PORT": "0"}
+                self._add(service_process(f"ingest-{i}", ["ingest-worker", "--client-id", f"clora-ingest-{i}"],
+                                          worker_env, logs))
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def _add(self, proc: ManagedProcess) -> None:
+        self.services[proc.name] = proc.start()
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.services.values())):
+            proc.stop()
+        if self.stack is not None:
+            self.stack.stop()
+
+    def __enter__(self) -> "Platform":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def print_summary(self, console: Console) -> None:
+        wh, ing = WebhookSettings(), IngestSettings()
+        console.print("[bold]clora is up[/]")
+        console.print(f"  Kafka bootstrap   {self.stack.kafka_bootstrap}")
+        console.print(f"  Redis             {self.stack.redis_url}")
+        console.print(f"  feedback webhook  http://{wh.host}:{wh.port}/v1/feedback  (OpenAPI: /docs)")
+        if ing.metrics_port:
+            console.print(f"  ingest metrics    http://127.0.0.1:{ing.metrics_port}/metrics")
+        console.print(f"  logs              {self.settings.logs_dir.resolve()}/")
+        console.print("  create a tenant:  clora tenant create acme     (Ctrl-C stops everything)")

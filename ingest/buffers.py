@@ -1,0 +1,271 @@
+"""Per-tenant replay buffers in Redis, and how the learner samples them.
+
+Every key of a tenant carries the tenant in a hash tag (`clora:t:{acme}:...`) so a Redis
+Cluster keeps a tenant on one slot and every script below stays single-slot:
+
+    clora:t:{T}:seen            zset  event id -> time       de-duplication (bounded window)
+    clora:t:{T}:ix:{iid}        str   interaction JSON        waits for its feedback (TTL)
+    clora:t:{T}:pending:{iid}   hash  feedback id -> JSON     feedback that came first (TTL)
+    clora:t:{T}:seq             int   example sequence counter
+    clora:t:{T}:buf:{kind}      zset  example id -> seq       insertion order, for eviction/sampling
+    clora:t:{T}:ex:{kind}       hash  example id -> JSON
+    clora:t:{T}:held:{kind}     zset/hash (held:..:ex) the same for held-out examples
+    clora:t:{T}:stats           hash  added / evicted / duplicates counters
+    clora:t:{T}:recent          list  the latest feedback records (console)
+
+Writes are Lua scripts, so "is this event new?" and "store its examples" are one atomic
+step: a redelivered event is never stored twice, and a crash between two scripts leaves
+state that the redelivery completes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+import redis
+from pydantic import TypeAdapter
+
+from clora.ingest.schemas import EXAMPLE_KINDS, Example
+
+Kind = Literal["sft", "preference", "rl"]
+_EXAMPLE = TypeAdapter(Example)
+RECENT_FEEDBACK = 200
+
+
+def tkey(tenant: str, *parts: str) -> str:
+    return ":".join([f"clora:t:{{{tenant}}}", *parts])
+
+
+# KEYS: seen, stats, recent, guard (pending hash or ""), then per kind (sft, preference, rl):
+#       buf, ex, held, held_ex ; plus seq
+# ARGV: event_id, now, capacity, eviction, dedup_window, guard_mode, recent_json, n,
+#       then n x (kind_index 0..2, example_id, heldout 0/1, json)
+_ADD_EXAMPLES = """
+local eid, now, cap, eviction, window, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
+if mode == 'seen' then
+  if redis.call('ZSCORE', KEYS[1], eid) then
+    redis.call('HINCRBY', KEYS[2], 'duplicates', 1)
+    return 0
+  end
+  redis.call('ZADD', KEYS[1], now, eid)
+  local over = redis.call('ZCARD', KEYS[1]) - window
+  if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+else
+  if redis.call('HDEL', KEYS[4], eid) == 0 then return 0 end
+end
+if ARGV[7] ~= '' then
+  redis.call('LPUSH', KEYS[3], ARGV[7])
+  redis.call('LTRIM', KEYS[3], 0, %d)
+end
+local n = tonumber(ARGV[8])
+local added = 0
+for i = 0, n - 1 do
+  local k = tonumber(ARGV[9 + i * 4])
+  local xid, held, body = ARGV[10 + i * 4], ARGV[11 + i * 4], ARGV[12 + i * 4]
+  local base = 5 + k * 4
+  local buf, ex = KEYS[base], KEYS[base + 1]
+  if held == '1' then buf, ex = KEYS[base + 2], KEYS[base + 3] end
+  if redis.call('HSETNX', ex, xid, body) == 1 then
+    local seq = redis.call('INCR', KEYS[17])
+    redis.call('ZADD', buf, seq, xid)
+    added = added + 1
+    while redis.call('ZCARD', buf) > cap do
+      local victim
+      if eviction == 'random' then
+        victim = redis.call('ZRANDMEMBER', buf)
+      else
+        victim = redis.call('ZRANGE', buf, 0, 0)[1]
+      end
+      redis.call('ZREM', buf, victim)
+      redis.call('HDEL', ex, victim)
+      redis.call('HINCRBY', KEYS[2], 'evicted', 1)
+    end
+  end
+end
+redis.call('HINCRBY', KEYS[2], 'added', added)
+return 1
+""" % (RECENT_FEEDBACK - 1)
+
+# KEYS: seen, ix, pending ; ARGV: event_id, now, feedback_json, ttl, window
+# Returns -1 when the interaction is there after all (caller retries the direct path).
+_PARK_FEEDBACK = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], tonumber(ARGV[2]), ARGV[1])
+local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
+if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+return 1
+"""
+
+# KEYS: seen, ix, pending ; ARGV: event_id, now, interaction_json, ttl, window
+# Stores the interaction once; always returns the feedback still parked for it.
+_STORE_INTERACTION = """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], tonumber(ARGV[2]), ARGV[1])
+  local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
+  if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+  redis.call('SET', KEYS[2], ARGV[3], 'EX', tonumber(ARGV[4]))
+end
+return redis.call('HGETALL', KEYS[3])
+"""
+
+
+@dataclass(frozen=True)
+class BufferPolicy:
+    """How a buffer keeps examples. `capacity` is per tenant and kind."""
+
+    capacity: int = 10_000
+    eviction: Literal["fifo", "random"] = "fifo"
+    dedup_window: int = 1_000_000
+    interaction_ttl_s: int = 7 * 24 * 3600
+    holdout_fraction: float = 0.1
+    """Share of examples (chosen by a hash of their id, so stable) kept out of training for
+    evaluation."""
+
+
+@dataclass(frozen=True)
+class SampleBatch:
+    """What `ReplayBuffer.sample` returns.
+
+    Example: a buffer holds seqs 1..10, the learner's cursor is 6, n=4, fresh_fraction=0.5:
+    fresh = seqs 7, 8 (oldest new first), old = 2 random picks from seqs 1..6, and
+    `cursor` becomes 8, so the next call treats 9 and 10 as fresh.
+    """
+
+    examples: list
+    cursor: int
+    fresh: int
+    """How many of `examples` came from after the old cursor."""
+
+
+def is_heldout(example_id: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.blake2b(example_id.encode(), digest_size=8).digest(), "big")
+    return (h % 10_000) < fraction * 10_000
+
+
+class ReplayBuffer:
+    """Writes (for ingest workers) and sampling (for the learner) over the keys above."""
+
+    def __init__(self, client: redis.Redis, policy: BufferPolicy | None = None):
+        self.r = client
+        self.policy = policy or BufferPolicy()
+        self._add = client.register_script(_ADD_EXAMPLES)
+        self._park = client.register_script(_PARK_FEEDBACK)
+        self._store = client.register_script(_STORE_INTERACTION)
+
+    # --- keys -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _example_keys(tenant: str) -> list[str]:
+        keys = []
+        for kind in EXAMPLE_KINDS:
+            keys += [tkey(tenant, "buf", kind), tkey(tenant, "ex", kind),
+                     tkey(tenant, "held", kind), tkey(tenant, "held", kind, "ex")]
+        return keys + [tkey(tenant, "seq")]
+
+    # --- writes (ingest worker); each takes an optional pipeline to batch round trips -----
+
+    def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str,
+                          *, now: float, pipe=None):
+        """Store an interaction (once). Result: the flat [id, json, ...] of parked feedback."""
+        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id)]
+        return self._store(keys=keys, args=[event_id, now, body, self.policy.interaction_ttl_s,
+                                            self.policy.dedup_window], client=pipe or self.r)
+
+    def interaction_key(self, tenant: str, interaction_id: str) -> str:
+        return tkey(tenant, "ix", interaction_id)
+
+    def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
+                      *, now: float, pipe=None):
+        """Park feedback whose interaction has not arrived. Result: 1 parked, 0 duplicate,
+        -1 the interaction is there (use `add_examples` instead)."""
+        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id)]
+        return self._park(keys=keys, args=[event_id, now, body, self.policy.interaction_ttl_s,
+                                           self.policy.dedup_window], client=pipe or self.r)
+
+    def add_examples(self, tenant: str, event_id: str, examples: list, *, now: float,
+                     recent: str = "", parked_for: str | None = None, capacity: int | None = None,
+                     pipe=None):
+        """Store the examples built from one feedback event, atomically and at most once.
+
+        De-duplicates on `event_id` (or, with `parked_for`, on removing it from that
+        interaction's parked feedback). Result: 1 stored, 0 already seen.
+        """
+        keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent"),
+                tkey(tenant, "pending", parked_for) if parked_for else tkey(tenant, "none")]
+        keys += self._example_keys(tenant)
+        args: list = [event_id, now, capacity or self.policy.capacity, self.policy.eviction,
+                      self.policy.dedup_window, "pending" if parked_for else "seen", recent, len(examples)]
+        for ex in examples:
+            held = "1" if is_heldout(ex.example_id, self.policy.holdout_fraction) else "0"
+            args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json()]
+        return self._add(keys=keys, args=args, client=pipe or self.r)
+
+    # --- reads (learner, console, metrics) ------------------------------------------------
+
+    def depth(self, tenant: str, kind: Kind, *, heldout: bool = False) -> int:
+        return self.r.zcard(tkey(tenant, "held" if heldout else "buf", kind))
+
+    def newer_than(self, tenant: str, kind: Kind, cursor: int) -> int:
+        return self.r.zcount(tkey(tenant, "buf", kind), f"({cursor}", "+inf")
+
+    def stats(self, tenant: str) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.r.hgetall(tkey(tenant, "stats")).items()}
+
+    def recent_feedback(self, tenant: str, n: int = 50) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(tkey(tenant, "recent"), 0, n - 1)]
+
+    def heldout(self, tenant: str, kind: Kind, n: int | None = None) -> list:
+        """Held-out examples, oldest first (all of them when n is None)."""
+        ids = self.r.zrange(tkey(tenant, "held", kind), 0, -1 if n is None else n - 1)
+        return self._load(tkey(tenant, "held", kind, "ex"), ids)
+
+    def latest(self, tenant: str, kind: Kind, n: int = 20) -> list:
+        ids = self.r.zrevrange(tkey(tenant, "buf", kind), 0, n - 1)
+        return self._load(tkey(tenant, "ex", kind), ids)
+
+    def sample(self, tenant: str, kind: Kind, n: int, *, cursor: int = 0,
+               fresh_fraction: float = 0.5, seed: int | None = None) -> SampleBatch:
+        """Up to `n` examples: about `fresh_fraction` of them the oldest not yet seen (seq >
+        cursor), the rest uniformly from older data; either side fills the other's shortfall."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not 0.0 <= fresh_fraction <= 1.0:
+            raise ValueError(f"fresh_fraction must be in [0, 1], got {fresh_fraction}")
+        buf = tkey(tenant, "buf", kind)
+        n_old_avail = self.r.zcount(buf, "-inf", cursor)
+        want_fresh = max(0, min(n, round(n * fresh_fraction)))
+        if n_old_avail < n - want_fresh:
+            want_fresh = n - n_old_avail
+        fresh = self.r.zrangebyscore(buf, f"({cursor}", "+inf", start=0, num=want_fresh, withscores=True) if want_fresh else []
+        n_old = min(n - len(fresh), n_old_avail)
+        rng = random.Random(seed)
+        ranks = rng.sample(range(n_old_avail), n_old) if n_old else []
+        pipe = self.r.pipeline()
+        for rank in ranks:
+            pipe.zrange(buf, rank, rank)
+        old_ids = [ids[0] for ids in pipe.execute() if ids]
+        new_cursor = int(fresh[-1][1]) if fresh else cursor
+        examples = self._load(tkey(tenant, "ex", kind), [i for i, _ in fresh] + old_ids)
+        return SampleBatch(examples=examples, cursor=new_cursor, fresh=len(fresh))
+
+    def _load(self, hash_key: str, ids: list) -> list:
+        if not ids:
+            return []
+        raws = self.r.hmget(hash_key, ids)
+        # An id can vanish between the two reads if it was evicted meanwhile: skip it.
+        return [_EXAMPLE.validate_json(raw) for raw in raws if raw is not None]
+
+    def tenants_with_data(self) -> list[str]:
+        """Tenants that have a stats hash (had at least one example). For metrics."""
+        out = []
+        for key in self.r.scan_iter(match="clora:t:{*}:stats", count=1000):
+            k = key.decode()
+            out.append(k[k.index("{") + 1:k.index("}")])
+        return sorted(out)

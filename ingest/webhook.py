@@ -1,0 +1,213 @@
+"""The feedback webhook: `POST /v1/feedback` (one record) and `POST /v1/feedback/batch`.
+
+    clora webhook                     # or as part of `clora up`
+
+Answers:
+- 202 only after the broker acknowledged the write (acks=all) — the event is stored;
+- 503 (with Retry-After) when the broker did not acknowledge in time — nothing promised;
+- 422 naming the invalid field; 413 past the body or batch limit;
+- 401 for a missing, unknown or revoked API key or a bad/stale HMAC signature;
+- 403 for feedback on an interaction that was served to another tenant.
+A client may retry any request with the same `event_id`s: ingest stores each once.
+
+Signing (optional, per tenant): when a tenant has a signing secret, requests must carry
+`X-Clora-Timestamp: <unix seconds>` and `X-Clora-Signature: sha256=<hex HMAC-SHA256 of
+"{timestamp}." + body>`, within the replay window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from clora.infra.registry import Registry, Tenant, TenantNotFound, sign
+from clora.infra.settings import WebhookSettings
+from clora.ingest import metrics
+from clora.ingest.producer import BrokerUnavailable, EventProducer
+from clora.ingest.schemas import TOPIC_FEEDBACK, FeedbackBatchIn, FeedbackEvent, FeedbackIn
+
+log = logging.getLogger(__name__)
+
+
+class Accepted(BaseModel):
+    accepted: int
+    event_ids: list[str]
+
+
+class ErrorBody(BaseModel):
+    error: dict
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None):
+        self.status, self.code, self.message, self.field, self.headers = status, code, message, field, headers
+
+
+def _error(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
+    metrics.WEBHOOK.labels(str(status)).inc()
+    body = {"error": {"code": code, "message": message, "field": field}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass
+class _Cached:
+    tenant: Tenant | None
+    expires: float
+
+
+class Authenticator:
+    """API key -> tenant, with a short in-process cache (revocation applies within `ttl_s`)."""
+
+    def __init__(self, registry: Registry, ttl_s: float):
+        self.registry, self.ttl_s = registry, ttl_s
+        self._cache: dict[str, _Cached] = {}
+
+    def tenant_for(self, key: str) -> Tenant | None:
+        now = time.monotonic()
+        hit = self._cache.get(key)
+        if hit is not None and hit.expires > now:
+            return hit.tenant
+        principal = self.registry.authenticate(key)
+        tenant = None
+        if principal is not None:
+            try:
+                tenant = self.registry.get_tenant(principal.tenant)
+            except TenantNotFound:
+                tenant = None
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[key] = _Cached(tenant, now + self.ttl_s)
+        return tenant
+
+
+def create_app(settings: WebhookSettings, registry: Registry, producer: EventProducer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        producer.close()
+
+    app = FastAPI(title="clora feedback webhook", version="1", lifespan=lifespan,
+                  description="Feedback on served interactions: rewards, corrections, comments.")
+    auth = Authenticator(registry, settings.auth_cache_s)
+    responses = {s: {"model": ErrorBody} for s in (401, 403, 413, 422, 503)}
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError):
+        return _error(e.status, e.code, e.message, e.field, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first["loc"] if p != "body"]
+        field = ".".join(loc) or "body"
+        return _error(422, "invalid_request", f"{field}: {first['msg']}", field)
+
+    @app.middleware("http")
+    async def _limit_size(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return _error(413, "request_too_large", f"body of {length} bytes exceeds {settings.max_body_bytes}")
+        if request.method == "POST" and length is None:
+            body = await request.body()
+            if len(body) > settings.max_body_bytes:
+                return _error(413, "request_too_large", f"body exceeds {settings.max_body_bytes} bytes")
+        return await call_next(request)
+
+    async def tenant_of(request: Request) -> Tenant:
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not key:
+            raise ApiError(401, "missing_api_key", "send the tenant API key as 'Authorization: Bearer <key>'")
+        tenant = auth.tenant_for(key)
+        if tenant is None:
+            raise ApiError(401, "invalid_api_key", "unknown or revoked API key")
+        if tenant.signing_secret:
+            await _check_signature(request, tenant.signing_secret, settings.hmac_window_s)
+        return tenant
+
+    async def _publish(tenant: Tenant, records: list[FeedbackIn]) -> JSONResponse:
+        owners = registry.interaction_owners([rec.interaction_id for rec in records])
+        for i, owner in enumerate(owners):
+            if owner is not None and owner != tenant.id:
+                field = "interaction_id" if len(records) == 1 else f"records.{i}.interaction_id"
+                raise ApiError(403, "forbidden", "this interaction was not served to your tenant", field)
+        events = [FeedbackEvent.accept(tenant.id, rec) for rec in records]
+        try:
+            await producer.send_many_and_wait(TOPIC_FEEDBACK, [(e.tenant, e.model_dump_json()) for e in events])
+        except BrokerUnavailable as e:
+            log.warning("feedback for %s not stored: %s", tenant.id, e)
+            raise ApiError(503, "broker_unavailable", "the event log is unavailable; nothing was stored, retry",
+                           headers={"Retry-After": "1"}) from e
+        metrics.WEBHOOK.labels("202").inc()
+        metrics.WEBHOOK_EVENTS.inc(len(events))
+        return JSONResponse(Accepted(accepted=len(events), event_ids=[e.event_id for e in events]).model_dump(),
+                            status_code=202)
+
+    @app.post("/v1/feedback", status_code=202, response_model=Accepted, responses=responses,
+              summary="Send one feedback record")
+    async def feedback(record: FeedbackIn, tenant: Tenant = Depends(tenant_of)):
+        return await _publish(tenant, [record])
+
+    @app.post("/v1/feedback/batch", status_code=202, response_model=Accepted, responses=responses,
+              summary="Send up to `max_batch` feedback records in one request")
+    async def feedback_batch(batch: FeedbackBatchIn, tenant: Tenant = Depends(tenant_of)):
+        if len(batch.records) > settings.max_batch:
+            raise ApiError(413, "batch_too_large", f"{len(batch.records)} records exceed the limit of "
+                           f"{settings.max_batch}", "records")
+        return await _publish(tenant, batch.records)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz():
+        return {"ok": True}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _check_signature(request: Request, secret: str, window_s: int) -> None:
+    ts = request.headers.get("x-clora-timestamp", "")
+    sig = request.headers.get("x-clora-signature", "")
+    if not ts or not sig:
+        raise ApiError(401, "signature_required", "this tenant requires X-Clora-Timestamp and X-Clora-Signature")
+    try:
+        age = abs(time.time() - float(ts))
+    except ValueError:
+        raise ApiError(401, "bad_signature", "X-Clora-Timestamp must be unix seconds", "X-Clora-Timestamp") from None
+    if age > window_s:
+        raise ApiError(401, "stale_signature", f"timestamp is {age:.0f} s from now (window {window_s} s)")
+    expected = "sha256=" + sign(secret, ts, await request.body())
+    if not hmac.compare_digest(expected, sig):
+        raise ApiError(401, "bad_signature", "X-Clora-Signature does not match the body")
+
+
+def build(settings: WebhookSettings, kafka_bootstrap: str, redis_url: str) -> FastAPI:
+    """The app wired to real connections (used by `clora webhook` and uvicorn's factory)."""
+    import redis
+
+    registry = Registry(redis.Redis.from_url(redis_url))
+    producer = EventProducer(kafka_bootstrap, timeout_s=settings.ack_timeout_s)
+    return create_app(settings, registry, producer)
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory: `uvicorn --factory clora.ingest.webhook:app_from_env`."""
+    from clora.infra.settings import PlatformSettings
+
+    platform = PlatformSettings()
+    if not platform.kafka_bootstrap or not platform.redis_url:
+        raise RuntimeError("CLORA_KAFKA_BOOTSTRAP and CLORA_REDIS_URL must be set for the webhook")
+    return build(WebhookSettings(), platform.kafka_bootstrap, platform.redis_url)

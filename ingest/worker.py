@@ -1,0 +1,248 @@
+"""Ingest worker: one consumer-group member over `clora.interactions` and `clora.feedback`
+that turns events into per-tenant training examples in Redis.
+
+    clora ingest-worker            # one member; run several for more partitions
+
+Per poll: validate every record (invalid ones go to `clora.dlq` with the reason), store
+interactions, join feedback with its interaction (or park it until the interaction comes),
+write examples — all in pipelined Lua scripts — and only then commit the offsets. A crash
+at any point redelivers the batch; the scripts' de-duplication makes that harmless, so every
+accepted event lands in the buffers exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+from kafka import KafkaConsumer
+from pydantic import ValidationError
+
+from clora.infra.registry import Registry, RegistryError
+from clora.infra.settings import IngestSettings
+from clora.ingest import metrics
+from clora.ingest.buffers import BufferPolicy, ReplayBuffer
+from clora.ingest.joiner import build_examples
+from clora.ingest.producer import EventProducer
+from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
+                                  DeadLetter, FeedbackEvent, InteractionEvent)
+
+log = logging.getLogger(__name__)
+DLQ_RECENT_KEY = "clora:dlq:recent"
+DLQ_RECENT_MAX = 1000
+
+
+@dataclass
+class _Batch:
+    """One poll's records, parsed and sorted by what to do with them."""
+
+    interactions: list[InteractionEvent] = field(default_factory=list)
+    feedback: list[FeedbackEvent] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)
+
+
+def parse(record) -> InteractionEvent | FeedbackEvent | DeadLetter:
+    """A consumer record as an event, or a dead letter saying why it is not one."""
+    model = InteractionEvent if record.topic == TOPIC_INTERACTIONS else FeedbackEvent
+    key = record.key.decode(errors="replace") if record.key else None
+    payload = (record.value or b"").decode(errors="replace")
+    try:
+        event = model.model_validate_json(record.value or b"")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(record)"
+        return DeadLetter(source_topic=record.topic, source_partition=record.partition,
+                          source_offset=record.offset, key=key, payload=payload,
+                          reason=f"invalid {model.__name__}: {where}: {first['msg']} ({e.error_count()} errors)")
+    if key is not None and key != event.tenant:
+        return DeadLetter(source_topic=record.topic, source_partition=record.partition,
+                          source_offset=record.offset, key=key, payload=payload,
+                          reason=f"record key {key!r} does not match tenant {event.tenant!r}")
+    return event
+
+
+class IngestWorker:
+    """Consumes, joins and stores. `run(stop)` loops until `stop` is set."""
+
+    def __init__(self, settings: IngestSettings, kafka_bootstrap: str, redis_url: str,
+                 *, client_id: str = "clora-ingest"):
+        self.settings = settings
+        self.bootstrap = kafka_bootstrap
+        self.r = redis.Redis.from_url(redis_url)
+        self.buffers = ReplayBuffer(self.r, BufferPolicy(
+            capacity=settings.buffer_capacity, eviction=settings.eviction,
+            dedup_window=settings.dedup_window, interaction_ttl_s=settings.interaction_ttl_s))
+        self.registry = Registry(self.r)
+        self.client_id = client_id
+        self.rate = metrics.RateMeter()
+        self._dlq: EventProducer | None = None
+        self._capacity_cache: dict[str, tuple[float, int]] = {}
+        self.processed = 0
+
+    # --- consumer loop --------------------------------------------------------------------
+
+    def consumer(self) -> KafkaConsumer:
+        s = self.settings
+        return KafkaConsumer(
+            TOPIC_INTERACTIONS, TOPIC_FEEDBACK,
+            bootstrap_servers=self.bootstrap, group_id=s.group_id, client_id=self.client_id,
+            enable_auto_commit=False, auto_offset_reset="earliest",
+            max_poll_records=s.max_poll_records, max_poll_interval_ms=s.max_poll_interval_ms,
+            session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=max(500, s.session_timeout_ms // 3),
+        )
+
+    def run(self, stop: threading.Event) -> None:
+        consumer = self.consumer()
+        log.info("ingest worker %s joined group %s", self.client_id, self.settings.group_id)
+        last_gauges = 0.0
+        try:
+            while not stop.is_set():
+                polled = consumer.poll(timeout_ms=500)
+                records = [rec for recs in polled.values() for rec in recs]
+                if records:
+                    self.handle(records)
+                    consumer.commit()          # only after Redis has every example
+                if time.monotonic() - last_gauges > 2.0:
+                    self._update_gauges(consumer)
+                    last_gauges = time.monotonic()
+        finally:
+            consumer.close(autocommit=False)
+            if self._dlq is not None:
+                self._dlq.close()
+
+    def _update_gauges(self, consumer: KafkaConsumer) -> None:
+        for tp in consumer.assignment():
+            high = consumer.highwater(tp)
+            committed = consumer.committed(tp) or 0
+            if high is not None:
+                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
+        for tenant in self.buffers.tenants_with_data():
+            for kind in EXAMPLE_KINDS:
+                metrics.BUFFER_DEPTH.labels(tenant, kind).set(self.buffers.depth(tenant, kind))
+
+    # --- one batch ------------------------------------------------------------------------
+
+    def handle(self, records: list) -> None:
+        """Process one poll's records. Returns after every effect is durable in Redis/Kafka."""
+        batch = _Batch()
+        for rec in records:
+            event = parse(rec)
+            if isinstance(event, InteractionEvent):
+                batch.interactions.append(event)
+            elif isinstance(event, FeedbackEvent):
+                batch.feedback.append(event)
+            else:
+                batch.dead.append(event)
+        self._dead_letter(batch.dead)
+        self._store_interactions(batch.interactions)
+        self._store_feedback(batch.feedback)
+        self.processed += len(records)
+        metrics.EVENT_RATE.set(self.rate.add(len(records)))
+
+    def _dead_letter(self, dead: list[DeadLetter]) -> None:
+        if not dead:
+            return
+        if self._dlq is None:
+            self._dlq = EventProducer(self.bootstrap, timeout_s=10.0)
+        for d in dead:
+            log.warning("dead letter from %s@%s:%s: %s", d.source_topic, d.source_partition, d.source_offset, d.reason)
+            self._dlq.send(TOPIC_DLQ, key=d.key or "", value=d.model_dump_json())
+        self._dlq.flush(timeout=10.0)         # durable before the offsets move on
+        pipe = self.r.pipeline()
+        for d in dead:
+            pipe.lpush(DLQ_RECENT_KEY, d.model_dump_json())
+        pipe.ltrim(DLQ_RECENT_KEY, 0, DLQ_RECENT_MAX - 1)
+        pipe.execute()
+        metrics.DLQ.inc(len(dead))
+        metrics.EVENTS.labels("any", "dead_letter").inc(len(dead))
+
+    def _store_interactions(self, interactions: list[InteractionEvent]) -> None:
+        if not interactions:
+            return
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        for ix in interactions:
+            self.buffers.store_interaction(ix.tenant, ix.event_id, ix.interaction_id,
+                                           ix.model_dump_json(), now=now, pipe=pipe)
+        parked_lists = pipe.execute()
+        metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
+        # Feedback that arrived before its interaction: apply it now (guarded by removal
+        # from the parked hash, so a second drain of the same feedback stores nothing).
+        pipe = self.r.pipeline(transaction=False)
+        for ix, flat in zip(interactions, parked_lists):
+            for i in range(0, len(flat), 2):
+                fb = FeedbackEvent.model_validate_json(flat[i + 1])
+                self.buffers.add_examples(ix.tenant, fb.event_id, build_examples(ix, fb), now=now,
+                                          recent=_recent(fb), parked_for=ix.interaction_id,
+                                          capacity=self._capacity(ix.tenant), pipe=pipe)
+        pipe.execute()
+
+    def _store_feedback(self, feedback: list[FeedbackEvent]) -> None:
+        todo = feedback
+        for _attempt in range(5):
+            if not todo:
+                return
+            todo = self._store_feedback_once(todo)
+        raise RuntimeError(f"{len(todo)} feedback records kept racing their interactions")
+
+    def _store_feedback_once(self, feedback: list[FeedbackEvent]) -> list[FeedbackEvent]:
+        now = time.time()
+        raws = self.r.mget([self.buffers.interaction_key(fb.tenant, fb.interaction_id) for fb in feedback])
+        pipe = self.r.pipeline(transaction=False)
+        for fb, raw in zip(feedback, raws):
+            if raw is None:
+                self.buffers.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
+                                           now=now, pipe=pipe)
+            else:
+                ix = InteractionEvent.model_validate_json(raw)
+                self.buffers.add_examples(fb.tenant, fb.event_id, build_examples(ix, fb), now=now,
+                                          recent=_recent(fb), capacity=self._capacity(fb.tenant), pipe=pipe)
+        results = pipe.execute()
+        retry = []
+        for fb, raw, res in zip(feedback, raws, results):
+            if res == -1:                       # its interaction arrived meanwhile
+                retry.append(fb)
+            elif res == 0:
+                metrics.EVENTS.labels(TOPIC_FEEDBACK, "duplicate").inc()
+            else:
+                metrics.EVENTS.labels(TOPIC_FEEDBACK, "parked" if raw is None else "stored").inc()
+        return retry
+
+    def _capacity(self, tenant: str) -> int:
+        """The tenant's buffer capacity (its policy, else the default), cached for 5 s."""
+        hit = self._capacity_cache.get(tenant)
+        if hit and hit[0] > time.monotonic():
+            return hit[1]
+        try:
+            cap = self.registry.get_tenant(tenant).policy.buffer_capacity or self.settings.buffer_capacity
+        except RegistryError:
+            cap = self.settings.buffer_capacity
+        self._capacity_cache[tenant] = (time.monotonic() + 5.0, cap)
+        return cap
+
+
+def _recent(fb: FeedbackEvent) -> str:
+    return json.dumps({"event_id": fb.event_id, "interaction_id": fb.interaction_id, "time": fb.time,
+                       "source": fb.source, "score": fb.score, "key": fb.key, "comment": fb.comment,
+                       "correction": fb.correction.content if fb.correction else None})
+
+
+def main(settings: IngestSettings, kafka_bootstrap: str, redis_url: str, client_id: str = "clora-ingest") -> None:
+    """Entry point of `clora ingest-worker`: run until SIGTERM/SIGINT."""
+    import signal
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if settings.metrics_port:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(settings.metrics_port, addr="127.0.0.1")
+        except OSError as e:
+            log.warning("metrics port %s busy (%s); this worker exports no metrics", settings.metrics_port, e)
+    IngestWorker(settings, kafka_bootstrap, redis_url, client_id=client_id).run(stop)
