@@ -1,0 +1,72 @@
+"""Training losses as pure functions of log-probabilities (no model, no tokenizer).
+
+Conventions: `logprobs` (B, T) are log p(token t | tokens < t) for the target tokens, `mask`
+(B, T) is 1 where a token is part of the completion being learned (assistant tokens), else 0.
+
+- `sft_loss`: mean negative log-likelihood over assistant tokens.
+- `dpo_loss`: Rafailov et al. 2023, sequence log-probs summed over completion tokens; the
+  reference is the base model with the adapter disabled.
+- `group_advantages` + `policy_gradient_loss`: GRPO-style. Rewards are normalised within
+  each group of rollouts of one prompt; each token's ratio pi/pi_behaviour (behaviour =
+  the serving-time logprobs) is clipped PPO-style; per-sequence token mean, then batch mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t] | < t) for t >= 1. logits (B, T, V), input_ids (B, T) -> (B, T-1)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T-1, V)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-(sum of masked logprobs) / (number of masked tokens). (B, T), (B, T) -> ()."""
+    n = mask.sum()
+    if n == 0:
+        raise ValueError("sft_loss: no assistant tokens in the batch (all masked out)")
+    return -(logprobs * mask).sum() / n
+
+
+def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T), (B, T) -> (B,): sum of completion-token logprobs per sequence."""
+    return (logprobs * mask).sum(-1)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+             ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """mean_i -log sigmoid(beta * ((pc_i - rc_i) - (pr_i - rr_i))); inputs (B,) sequence logprobs."""
+    margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    return -F.logsigmoid(beta * margin).mean()
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e-6) -> torch.Tensor:
+    """(r_i - mean_g) / (std_g + eps) within each group g (population std). A group of one has
+    nothing to compare against: advantage 0. rewards (B,) -> (B,).
+    Example: rewards [1, 0, 0.5, 2], groups [a, a, b, c] -> [1, -1, 0, 0] (approximately)."""
+    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in dict.fromkeys(group_ids):
+        idx = torch.tensor([i for i, x in enumerate(group_ids) if x == g])
+        if len(idx) < 2:
+            continue
+        r = rewards[idx].float()
+        adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+    return adv
+
+
+def policy_gradient_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
+    """Clipped importance-sampled policy gradient (PPO/GRPO surrogate).
+
+    ratio = exp(logprobs - behaviour_logprobs)             (B, T)
+    per_token = -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)
+    loss = mean over sequences of (mean over that sequence's masked tokens).
+    """
+    ratio = torch.exp(logprobs - behaviour_logprobs)
+    a = advantages.unsqueeze(-1)  # (B, 1)
+    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.mean()

@@ -1,0 +1,190 @@
+"""One optimizer step for one tenant, and held-out evaluation.
+
+Owns `TrainingPolicy` (a tenant's validated algorithm settings), `TrainerConfig` (settings
+shared by every tenant on this learner) and `Trainer`. A step: make the tenant resident
+(`AdapterStore.activate`), run the tenant's algorithm over micro-batches accumulating into
+the tenant's grad row, then one AdamW update with the tenant's own step count and RNG.
+Nothing here depends on which tenant trained before: that is what makes swaps exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator, Literal, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
+from clora.learner.adapter_store import AdapterStore
+from clora.learner.batches import ChatEncoder, TokenBatch
+from clora.learner.losses import (dpo_loss, group_advantages, policy_gradient_loss, sequence_logprob,
+                                  sft_loss, token_logprobs)
+from clora.learner.lora import LoraModel
+from clora.learner.optim import AdamConfig, adam_step
+
+Algorithm = Literal["sft", "dpo", "rl"]
+EXAMPLE_KIND: dict[str, str] = {"sft": "sft", "dpo": "preference", "rl": "rl"}
+"""Which replay-buffer kind each algorithm trains on."""
+
+
+class TrainingPolicy(BaseModel):
+    """A tenant's training settings (from the registry's LearningPolicy, plus learner-owned knobs)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    algorithm: Algorithm = "sft"
+    learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
+    batch_size: int = Field(default=8, ge=1, le=1024)
+    dpo_beta: float = Field(default=0.1, gt=0, le=100)
+    """DPO temperature: how far the policy may move from the reference (base model)."""
+    rl_clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """PPO/GRPO clip range of the importance ratio pi / pi_behaviour."""
+    eval_tolerance: float = Field(default=0.02, ge=0, le=1)
+    """Publish when new eval loss <= live eval loss * (1 + tolerance)."""
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Examples per forward/backward; a step's batch is split into micro-batches."""
+    max_seq_len: int = Field(default=512, ge=8)
+    adam: AdamConfig = AdamConfig()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tenant: str
+    step: int
+    loss: float
+    grad_norm: float
+    examples: int
+    tokens: int
+    seconds: float
+
+
+Example = SFTExample | PreferencePair | RLSample
+
+
+class Trainer:
+    def __init__(self, model: LoraModel, encoder: ChatEncoder, store: AdapterStore, cfg: TrainerConfig = TrainerConfig()):
+        self.model = model
+        self.encoder = encoder
+        self.store = store
+        self.cfg = cfg
+        self.device = store.device
+
+    # --- losses -------------------------------------------------------------------------------
+
+    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:  # (B, T-1)
+        return token_logprobs(self.model(batch.input_ids, batch.attention_mask), batch.input_ids)
+
+    def _loss(self, examples: Sequence[Example], policy: TrainingPolicy,
+              advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """The algorithm's loss on `examples` and the number of target tokens."""
+        enc, dev = self.encoder, self.device
+        if policy.algorithm == "sft":
+            b = enc.sft(list(examples)).to(dev)
+            return sft_loss(self._logprobs(b), b.loss_mask), b.num_target_tokens
+        if policy.algorithm == "dpo":
+            chosen, rejected = (x.to(dev) for x in enc.preference(list(examples)))
+            with torch.no_grad(), self.model.adapter_disabled():
+                ref_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
+                ref_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
+            pol_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
+            pol_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
+            return dpo_loss(pol_c, pol_r, ref_c, ref_r, policy.dpo_beta), chosen.num_target_tokens + rejected.num_target_tokens
+        b = enc.rl(list(examples)).to(dev)
+        lp = self._logprobs(b)
+        behaviour = b.behaviour_logprobs if b.behaviour_logprobs is not None else lp.detach()
+        adv = advantages.to(dev)
+        return policy_gradient_loss(lp, behaviour, adv, b.loss_mask, policy.rl_clip_eps), b.num_target_tokens
+
+    # --- training -----------------------------------------------------------------------------
+
+    def train_step(self, tenant: str, examples: Sequence[Example], policy: TrainingPolicy,
+                   prefetch: str | None = None) -> StepResult:
+        """One optimizer step of `tenant` on `examples` (all of the algorithm's kind). When
+        `prefetch` names the next tenant, its state loads in the background during this step."""
+        if not examples:
+            raise ValueError(f"train_step for {tenant!r} got no examples")
+        t0 = time.perf_counter()
+        slot = self.store.activate(tenant)
+        if prefetch is not None:
+            self.store.prefetch(prefetch)
+        st = self.store.peek(tenant)
+        gen = st.generator()
+        self.model.bank.dropout_generator = gen
+        advantages = None
+        if policy.algorithm == "rl":
+            advantages = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
+        self.model.train()
+        total, tokens, mb = 0.0, 0, self.cfg.micro_batch_size
+        try:
+            for i in range(0, len(examples), mb):
+                chunk = examples[i:i + mb]
+                adv = advantages[i:i + mb] if advantages is not None else None
+                loss, n = self._loss(chunk, policy, adv)
+                (loss * (len(chunk) / len(examples))).backward()
+                slot.fold_grads()
+                st.micro_steps += 1
+                total += float(loss.detach()) * len(chunk) / len(examples)
+                tokens += n
+            st.step += 1
+            norm = adam_step(slot, st.step, policy.learning_rate, self.cfg.adam)
+            slot.sync_weights()
+        finally:
+            self.model.eval()
+            self.model.bank.dropout_generator = None
+        st.micro_steps = 0
+        st.examples_seen += len(examples)
+        st.save_generator(gen)
+        return StepResult(tenant, st.step, total, norm, len(examples), tokens, time.perf_counter() - t0)
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, tenant: str, examples: Sequence[Example], policy: TrainingPolicy,
+                  weights: torch.Tensor | None = None) -> float:
+        """Held-out loss (lower is better) of `tenant`'s current adapter, or of `weights` (P,)
+        given instead (e.g. the live version's). SFT: token NLL; DPO: DPO loss against the
+        base model; RL: NLL of the completions that beat their group's mean reward (or of all
+        completions when no group has a spread)."""
+        if not examples:
+            raise ValueError(f"eval_loss for {tenant!r} got no held-out examples")
+        with self._weights(tenant, weights):
+            if policy.algorithm == "rl":
+                adv = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
+                good = [s for s, a in zip(examples, adv) if a > 0] or list(examples)
+                sft = [SFTExample(example_id=s.example_id, tenant=s.tenant, interaction_id=s.interaction_id,
+                                  feedback_event_id=s.feedback_event_id, time=s.time, messages=s.messages,
+                                  target=s.response) for s in good]
+                return self._batched_loss(sft, policy.model_copy(update={"algorithm": "sft"}))
+            return self._batched_loss(examples, policy)
+
+    def _batched_loss(self, examples: Sequence[Example], policy: TrainingPolicy) -> float:
+        total, mb = 0.0, self.cfg.micro_batch_size
+        for i in range(0, len(examples), mb):
+            chunk = examples[i:i + mb]
+            loss, _ = self._loss(chunk, policy)
+            total += float(loss.detach()) * len(chunk)
+        return total / len(examples)
+
+    @contextlib.contextmanager
+    def _weights(self, tenant: str, weights: torch.Tensor | None) -> Iterator[None]:
+        slot = self.store.activate(tenant)
+        if weights is None:
+            yield
+            return
+        master = slot.master
+        backup = master.clone()
+        master.copy_(weights.to(master.device))
+        slot.sync_weights()
+        try:
+            yield
+        finally:
+            master.copy_(backup)
+            slot.sync_weights()
