@@ -54,3 +54,94 @@ def registry(redis_client):
     from clora.infra.registry import Registry
 
     return Registry(redis_client)
+
+
+# --- ingest path: the webhook over real HTTP and one ingest worker, both in-process ----------
+
+class _Server:
+    """uvicorn serving an ASGI app on a free port, in a background thread."""
+
+    def __init__(self, app):
+        import threading
+
+        import uvicorn
+
+        from clora.infra.supervisor import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        import time
+
+        from clora.infra.supervisor import port_open
+
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not port_open("127.0.0.1", self.port):
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def webhook(stack):
+    """The feedback webhook wired to the real broker and Redis (2 s ack timeout)."""
+    import redis
+
+    from clora.infra.registry import Registry
+    from clora.infra.settings import WebhookSettings
+    from clora.ingest.producer import EventProducer
+    from clora.ingest.webhook import create_app
+
+    settings = WebhookSettings(ack_timeout_s=2.0, max_body_bytes=64 * 1024, max_batch=500, auth_cache_s=0.5)
+    producer = EventProducer(stack.kafka_bootstrap, timeout_s=settings.ack_timeout_s)
+    app = create_app(settings, Registry(redis.Redis.from_url(stack.redis_url)), producer)
+    with _Server(app) as server:
+        server.settings = settings
+        yield server
+
+
+@pytest.fixture(scope="session")
+def ingest_worker(stack):
+    """One ingest worker (its own consumer group) running for the whole session."""
+    import threading
+
+    from clora.infra.settings import IngestSettings
+    from clora.ingest.worker import IngestWorker
+
+    worker = IngestWorker(IngestSettings(group_id=f"test-{uuid.uuid4().hex[:6]}", metrics_port=0),
+                          stack.kafka_bootstrap, stack.redis_url)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    yield worker
+    stop.set()
+    thread.join(15)
+
+
+@pytest.fixture
+def wait_for():
+    return _wait_for
+
+
+def _wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
+    """Poll until predicate() is truthy; returns its value or fails the test naming `what`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last value: {value!r})")
+        time.sleep(interval)

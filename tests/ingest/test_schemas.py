@@ -1,0 +1,88 @@
+"""Event schemas: the documented examples validate, bad records are refused naming the field,
+and the joiner builds the right examples from an interaction and its feedback."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from clora.ingest import schemas
+from clora.ingest.joiner import build_examples
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "events.md"
+
+
+def documented_examples() -> list[tuple[str, dict]]:
+    text = DOC.read_text()
+    found = re.findall(r"### (\w+)\n(?:.*?\n)*?```json\n(.*?)```", text, flags=re.S)
+    return [(name, json.loads(body)) for name, body in found]
+
+
+def test_every_documented_event_validates():
+    examples = documented_examples()
+    assert {n for n, _ in examples} == {"FeedbackIn", "InteractionEvent", "FeedbackEvent", "AdapterEvent", "DeadLetter"}
+    for name, body in examples:
+        getattr(schemas, name).model_validate(body)
+
+
+def _ix(**kw) -> schemas.InteractionEvent:
+    base = dict(tenant="acme", interaction_id="i1", messages=[{"role": "user", "content": "2+2?"}],
+                response={"role": "assistant", "content": "5"}, completion_token_ids=[1, 2],
+                completion_logprobs=[-0.1, -0.2], group_id="g1", adapter_version=3)
+    return schemas.InteractionEvent.model_validate({**base, **kw})
+
+
+def _fb(**kw) -> schemas.FeedbackEvent:
+    rec = schemas.FeedbackIn.model_validate({"interaction_id": "i1", "event_id": "f1", **kw})
+    return schemas.FeedbackEvent.accept("acme", rec)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"interaction_id": "i1"}, "feedback needs at least one"),
+    ({"interaction_id": "i1", "score": "high"}, "score"),
+    ({"interaction_id": "i1", "score": float("nan")}, "score"),
+    ({"interaction_id": "i1", "source": "robot", "score": 1}, "source"),
+    ({"interaction_id": "has space", "score": 1}, "interaction_id"),
+    ({"interaction_id": "i1", "correction": {"role": "user", "content": "x"}}, "assistant"),
+    ({"interaction_id": "i1", "score": 1, "extra": 1}, "extra"),
+])
+def test_bad_feedback_names_the_problem(body, field):
+    with pytest.raises(ValidationError, match=field):
+        schemas.FeedbackIn.model_validate(body)
+
+
+def test_logprobs_must_align_with_tokens():
+    with pytest.raises(ValidationError, match="align"):
+        _ix(completion_logprobs=[-0.1])
+
+
+def test_correction_gives_sft_and_preference():
+    out = build_examples(_ix(), _fb(correction={"role": "assistant", "content": "4"}))
+    assert [e.kind for e in out] == ["sft", "preference"]
+    sft, pref = out
+    assert sft.target.content == "4" and sft.messages[0].content == "2+2?"
+    assert pref.chosen.content == "4" and pref.rejected.content == "5"
+    assert sft.adapter_version == 3 and sft.example_id == "f1:sft"
+
+
+def test_correction_equal_to_answer_gives_no_pair():
+    out = build_examples(_ix(), _fb(correction={"role": "assistant", "content": "5"}))
+    assert [e.kind for e in out] == ["sft"]
+
+
+def test_score_gives_rl_sample_with_behaviour_logprobs():
+    (rl,) = build_examples(_ix(), _fb(score=0.0, source="environment"))
+    assert rl.reward == 0.0 and rl.behaviour_logprobs == [-0.1, -0.2] and rl.group_id == "g1"
+
+
+def test_comment_only_gives_nothing():
+    assert build_examples(_ix(), _fb(comment="meh")) == []
+
+
+def test_join_refuses_cross_tenant():
+    with pytest.raises(ValueError, match="tenant"):
+        build_examples(_ix(tenant="other"), _fb(score=1))

@@ -1,0 +1,206 @@
+"""The feedback webhook over real HTTP, with the real broker, Redis and an ingest worker:
+accepted feedback lands in the tenant's buffer, every bad request gets the right 4xx naming
+the problem, and a stopped broker gives 503s without losing anything answered 202."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from clora.infra.registry import sign
+from clora.ingest.buffers import ReplayBuffer
+from clora.ingest.producer import EventProducer
+from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def tenant(registry, tenant_id):
+    _, key = registry.create_tenant(tenant_id)
+    return tenant_id, key
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def serve_interaction(stack, registry, tenant: str, iid: str, answer: str = "5") -> None:
+    """What the gateway does for each completion: claim the id, log the interaction."""
+    registry.claim_interaction(iid, tenant)
+    ev = InteractionEvent(tenant=tenant, interaction_id=iid, messages=[{"role": "user", "content": "2+2?"}],
+                          response={"role": "assistant", "content": answer}, completion_token_ids=[5],
+                          completion_logprobs=[-0.7])
+    producer = EventProducer(stack.kafka_bootstrap)
+    producer.send_sync(TOPIC_INTERACTIONS, tenant, ev.model_dump_json())
+    producer.close()
+
+
+def depth(redis_client, tenant: str, kind: str) -> int:
+    buf = ReplayBuffer(redis_client)
+    return buf.depth(tenant, kind) + buf.depth(tenant, kind, heldout=True)
+
+
+def test_feedback_becomes_training_examples(stack, registry, redis_client, webhook, ingest_worker, tenant, wait_for):
+    tid, key = tenant
+    serve_interaction(stack, registry, tid, "chatcmpl-a1")
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={
+        "interaction_id": "chatcmpl-a1", "source": "operator", "score": 0.0,
+        "correction": {"role": "assistant", "content": "4"}})
+    assert r.status_code == 202, r.text
+    assert r.json()["accepted"] == 1
+    wait_for(lambda: depth(redis_client, tid, "sft") == 1 and depth(redis_client, tid, "preference") == 1
+             and depth(redis_client, tid, "rl") == 1, what="sft + preference + rl examples")
+
+
+def test_feedback_before_interaction_is_joined(stack, registry, redis_client, webhook, ingest_worker, tenant, wait_for):
+    tid, key = tenant
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key),
+                   json={"interaction_id": "chatcmpl-early", "score": 1.0, "source": "environment"})
+    assert r.status_code == 202
+    time.sleep(1.0)
+    assert depth(redis_client, tid, "rl") == 0      # parked, waiting for its interaction
+    serve_interaction(stack, registry, tid, "chatcmpl-early")
+    wait_for(lambda: depth(redis_client, tid, "rl") == 1, what="parked feedback joined")
+
+
+def test_batch_and_idempotent_retry(webhook, redis_client, ingest_worker, stack, registry, tenant, wait_for):
+    tid, key = tenant
+    for i in range(5):
+        serve_interaction(stack, registry, tid, f"b{i}")
+    records = [{"interaction_id": f"b{i}", "event_id": f"{tid}-e{i}", "score": 1.0} for i in range(5)]
+    for _ in range(3):                                # a client retrying the same batch
+        r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(key), json={"records": records})
+        assert r.status_code == 202 and r.json()["event_ids"] == [x["event_id"] for x in records]
+    wait_for(lambda: depth(redis_client, tid, "rl") == 5, what="5 rl examples")
+    time.sleep(1.0)
+    assert depth(redis_client, tid, "rl") == 5
+    assert ReplayBuffer(redis_client).stats(tid)["duplicates"] == 10
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer clk_nope_nope"}, {"X-API-Key": "garbage"}])
+def test_missing_or_bad_key_is_401(webhook, headers):
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=headers, json={"interaction_id": "x", "score": 1})
+    assert r.status_code == 401 and r.json()["error"]["code"] in ("missing_api_key", "invalid_api_key")
+
+
+def test_revoked_key_is_401(webhook, registry, tenant):
+    tid, key = tenant
+    registry.revoke_key(tid, registry.authenticate(key).key_id)
+    time.sleep(webhook.settings.auth_cache_s + 0.1)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": "x", "score": 1})
+    assert r.status_code == 401
+
+
+def test_feedback_on_another_tenants_interaction_is_403(webhook, registry, tenant, tenant_id):
+    tid, key = tenant
+    other = tid + "-b"
+    registry.create_tenant(other)
+    registry.claim_interaction("chatcmpl-of-b", other)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": "chatcmpl-of-b", "score": 1})
+    assert r.status_code == 403 and r.json()["error"]["field"] == "interaction_id"
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"interaction_id": "x", "score": "high"}, "score"),
+    ({"score": 1}, "interaction_id"),
+    ({"interaction_id": "x", "source": "robot", "score": 1}, "source"),
+    ({"interaction_id": "x", "correction": {"role": "assistant"}}, "correction"),
+])
+def test_invalid_record_is_422_naming_the_field(webhook, tenant, body, field):
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(tenant[1]), json=body)
+    assert r.status_code == 422
+    assert r.json()["error"]["field"].startswith(field), r.json()
+
+
+def test_invalid_batch_record_names_its_index(webhook, tenant):
+    recs = [{"interaction_id": "x", "score": 1}] * 3 + [{"interaction_id": "x", "score": "high"}]
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(tenant[1]), json={"records": recs})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "records.3.score"
+
+
+def test_too_large_is_413(webhook, tenant):
+    big = {"interaction_id": "x", "comment": "x" * 9000}
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(tenant[1]), json={"records": [big] * 10})
+    assert r.status_code == 413
+    many = [{"interaction_id": "x", "score": 1}] * (webhook.settings.max_batch + 1)
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(tenant[1]), json={"records": many})
+    assert r.status_code == 413 and r.json()["error"]["field"] == "records"
+
+
+def test_hmac_signed_requests(webhook, registry, tenant):
+    tid, key = tenant
+    registry.set_signing_secret(tid, "s3cret")
+    time.sleep(webhook.settings.auth_cache_s + 0.1)
+    body = json.dumps({"interaction_id": "x", "score": 1}).encode()
+
+    def post(ts: str, sig: str | None):
+        headers = {**auth(key), "content-type": "application/json", "X-Clora-Timestamp": ts}
+        if sig is not None:
+            headers["X-Clora-Signature"] = sig
+        return httpx.post(f"{webhook.url}/v1/feedback", headers=headers, content=body)
+
+    now = str(int(time.time()))
+    assert post(now, "sha256=" + sign("s3cret", now, body)).status_code == 202
+    assert post(now, None).json()["error"]["code"] == "signature_required"
+    assert post(now, "sha256=" + sign("wrong", now, body)).json()["error"]["code"] == "bad_signature"
+    old = str(int(time.time()) - 3600)
+    r = post(old, "sha256=" + sign("s3cret", old, body))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "stale_signature"
+
+
+def test_openapi_spec_validates(webhook):
+    from openapi_spec_validator import validate
+
+    spec = httpx.get(f"{webhook.url}/openapi.json").json()
+    validate(spec)
+    assert {"/v1/feedback", "/v1/feedback/batch"} <= set(spec["paths"])
+
+
+def test_stopped_broker_gives_503_and_loses_nothing_accepted(stack, registry, redis_client, webhook, ingest_worker,
+                                                            tenant, wait_for):
+    """Concurrent clients stream feedback; the broker freezes mid-stream (SIGSTOP: the
+    embedded Tansu keeps its log in memory, so freezing is how it becomes unavailable
+    without losing what it already holds). Every 202 must end up in the buffer."""
+    tid, key = tenant
+    broker = stack.processes["broker"]
+    accepted: set[str] = set()
+    statuses: list[int] = []
+
+    def client(n: int) -> None:
+        with httpx.Client(timeout=10) as c:
+            for i in range(n):
+                eid = f"{tid}-{uuid.uuid4().hex[:8]}"
+                r = c.post(f"{webhook.url}/v1/feedback", headers=auth(key),
+                           json={"interaction_id": f"s-{eid}", "event_id": eid, "score": 1.0})
+                statuses.append(r.status_code)
+                if r.status_code == 202:
+                    accepted.add(eid)
+                else:
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(client, 60) for _ in range(4)]
+        time.sleep(0.5)
+        broker.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            wait_for(lambda: 503 in statuses, timeout=15, what="a 503 while the broker is stopped")
+            assert time.monotonic() - t0 < 10
+        finally:
+            broker.signal(signal.SIGCONT)
+        for f in futs:
+            f.result()
+    assert 503 in statuses and 202 in statuses
+    # a retry after the broker is back succeeds
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": "after", "score": 1})
+    assert r.status_code == 202
+    # feedback without a served interaction is parked: count it in the tenant's dedup set
+    seen = lambda: {m.decode() for m in redis_client.zrange(f"clora:t:{{{tid}}}:seen", 0, -1)}
+    wait_for(lambda: accepted <= seen(), timeout=60, what="every accepted event stored")
