@@ -86,6 +86,8 @@ class TritonBackend:
         return kernel
 
     def _check_device(self, t: torch.Tensor) -> None:
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"Triton kernels take fp32, fp16 or bf16 tensors, got {t.dtype} (use TorchBackend)")
         if not self.interpret and t.device.type != "cuda":
             raise ValueError(f"compiled Triton kernels need CUDA tensors, got a tensor on {t.device}")
 

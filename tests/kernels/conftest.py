@@ -8,8 +8,14 @@ imports across the suite cannot break these tests). Shared cases live in `kernel
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# Test modules import their shared cases (`kernel_cases`); under --import-mode=importlib
+# pytest does not put this folder on sys.path, so do it here (the name is unique).
+sys.path.insert(0, str(Path(__file__).parent))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

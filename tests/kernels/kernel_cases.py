@@ -56,5 +56,5 @@ def stacked_adapters(
     for i, rank in enumerate(ranks):
         a[i, :, :rank] = torch.randn(hidden_in, rank, generator=g) / hidden_in**0.5
         b[i, :rank] = torch.randn(rank, hidden_out, generator=g) / rank**0.5
-    scale = torch.tensor([2.0 / rank for rank in ranks], dtype=torch.float32) * 4
+    scale = torch.tensor([(2.0 + i) / rank for i, rank in enumerate(ranks)], dtype=torch.float32) * 4  # alpha / rank
     return a.to(dtype), b.to(dtype), scale
