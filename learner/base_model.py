@@ -176,6 +176,7 @@ def make_tiny_model(path: Path | str, *, seed: int = 0, hidden_size: int = 64, n
         vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=1024, rope_theta=10_000.0, tie_word_embeddings=True,
+        initializer_range=0.2,  # wide enough that logits can become confident through LoRA alone
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(seed)

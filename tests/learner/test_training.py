@@ -1,0 +1,104 @@
+"""Training behaviour on a tiny fixed-seed model: known loss curve, and each algorithm learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clora.learner.adapter_store import AdapterStore
+from clora.learner.batches import ChatEncoder
+from clora.learner.losses import token_logprobs
+from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.trainer import Trainer, TrainingPolicy
+
+from .helpers import pref, rl, sft, sft_set
+
+
+def _trainer(tiny, **spec) -> Trainer:
+    model, tok = tiny
+    lm = LoraModel(model, LoraSpec(**({"rank": 4, "alpha": 8} | spec)))
+    return Trainer(lm, ChatEncoder(tok, 64), AdapterStore(lm))
+
+
+KNOWN_CURVE = [7.5188, 5.95104, 3.97379, 2.38714, 1.33387, 0.63325]
+"""SFT, tiny model seed 0, tenant seed 0, rank 4 / alpha 8, lr 1e-2, 4 examples of answer 'blue'."""
+
+
+def test_known_good_loss_curve(tiny):
+    tr = _trainer(tiny)
+    tr.store.register("acme", seed=0)
+    policy = TrainingPolicy(learning_rate=1e-2, batch_size=4)
+    losses = [tr.train_step("acme", sft_set("acme", "blue"), policy).loss for _ in range(len(KNOWN_CURVE))]
+    assert losses == pytest.approx(KNOWN_CURVE, abs=2e-3)
+
+
+def _greedy(tr: Trainer, tenant: str, question: str, n: int) -> str:
+    from clora.ingest.schemas import Message
+
+    tr.store.activate(tenant)
+    seq = tr.encoder.encode([Message(role="user", content=question)], Message(role="assistant", content="x"))
+    ids = torch.tensor([seq.prompt_ids])
+    with torch.no_grad():
+        out = tr.model.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                      pad_token_id=tr.encoder.tok.pad_token_id)
+    return tr.encoder.tok.decode(out[0, ids.shape[1]:])
+
+
+def test_sft_makes_each_tenant_produce_its_own_target(tiny):
+    tr = _trainer(tiny)
+    targets = {"acme": "blue sky", "beta": "red fox"}
+    for i, t in enumerate(targets):
+        tr.store.register(t, seed=i)
+    policy = TrainingPolicy(learning_rate=1e-2, batch_size=4)
+    for _ in range(15):
+        for t, answer in targets.items():
+            tr.train_step(t, sft_set(t, answer), policy)
+    for t, answer in targets.items():
+        assert _greedy(tr, t, "q2?", len(answer)) == answer
+
+
+def test_dpo_prefers_chosen_over_rejected(tiny):
+    tr = _trainer(tiny)
+    tr.store.register("acme", seed=0)
+    policy = TrainingPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=4, dpo_beta=0.5)
+    pairs = [pref("acme", i, f"q{i}?", "yes", "no") for i in range(4)]
+    losses = [tr.train_step("acme", pairs, policy).loss for _ in range(8)]
+    assert losses[0] == pytest.approx(0.6931, abs=1e-3)  # fresh adapter == reference: log 2
+    assert losses[-1] < 0.2 and all(b < a for a, b in zip(losses, losses[1:]))
+    assert tr.eval_loss("acme", [pref("acme", 9, "q9?", "yes", "no")], policy) < 0.3  # generalises to a new prompt
+
+
+def test_rl_moves_probability_to_rewarded_completions(tiny):
+    tr = _trainer(tiny)
+    tr.store.register("acme", seed=0)
+    enc = tr.encoder
+    samples = []
+    for i in range(4):  # one group per prompt: a rewarded and an unrewarded rollout
+        for j, (answer, reward) in enumerate((("42", 1.0), ("17", 0.0))):
+            s = rl("acme", 10 * i + j, f"q{i}?", answer, reward, f"g{i}")
+            seq = enc.encode(s.messages, s.response)
+            ids = torch.tensor([seq.prompt_ids + seq.completion_ids])
+            with torch.no_grad(), tr.model.adapter_disabled():  # the serving-time (behaviour) policy
+                lp = token_logprobs(tr.model(ids), ids)[0, len(seq.prompt_ids) - 1:]
+            samples.append(rl("acme", 10 * i + j, f"q{i}?", answer, reward, f"g{i}",
+                              prompt_token_ids=seq.prompt_ids, completion_token_ids=seq.completion_ids,
+                              behaviour_logprobs=lp.tolist()))
+    policy = TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=8, rl_clip_eps=0.2)
+    good_nll_before = tr.eval_loss("acme", samples, policy)
+    losses = [tr.train_step("acme", samples, policy).loss for _ in range(6)]
+    assert losses[0] == pytest.approx(0.0, abs=1e-5)  # ratio 1 and zero-mean advantages
+    # Rewarded ratios rise to the clip (1.2), unrewarded fall to it (0.8): the surrogate's floor
+    # with advantages +-1 is (-1.2 + 0.8) / 2 = -0.2, where the clipped tokens stop the gradient.
+    assert losses[-1] == pytest.approx(-0.2, abs=0.02) and losses[2] < losses[1] < losses[0]
+    assert tr.eval_loss("acme", samples, policy) < good_nll_before - 0.5
+
+
+def test_validation_of_policies():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        TrainingPolicy(algorithm="ppo")
+    with pytest.raises(ValidationError):
+        TrainingPolicy(learning_rate=0)
+    with pytest.raises(ValidationError):
+        TrainingPolicy(rl_clip_eps=1.5)
