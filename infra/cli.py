@@ -121,13 +121,12 @@ def webhook(log_level: str = "INFO"):
     """Run the feedback webhook (HTTP)."""
     import uvicorn
 
-    from clora.ingest.webhook import build
-
     _logging(log_level)
     s = WebhookSettings()
     bootstrap, redis_url = _urls()
-    uvicorn.run(build(s, bootstrap, redis_url), host=s.host, port=s.port, log_level=log_level.lower(),
-                access_log=False)
+    os.environ.update(CLORA_KAFKA_BOOTSTRAP=bootstrap, CLORA_REDIS_URL=redis_url)  # for the factory
+    uvicorn.run("clora.ingest.webhook:app_from_env", factory=True, host=s.host, port=s.port, workers=s.workers,
+                log_level=log_level.lower(), access_log=False)
 
 
 @app.command("ingest-worker")

@@ -40,54 +40,66 @@ def tkey(tenant: str, *parts: str) -> str:
     return ":".join([f"clora:t:{{{tenant}}}", *parts])
 
 
-# KEYS: seen, stats, recent, guard (pending hash or ""), then per kind (sft, preference, rl):
-#       buf, ex, held, held_ex ; plus seq
-# ARGV: event_id, now, capacity, eviction, dedup_window, guard_mode, recent_json, n,
-#       then n x (kind_index 0..2, example_id, heldout 0/1, json)
+# Stores the examples of several feedback events of one tenant, each at most once.
+# KEYS: seen, stats, recent, then per kind (sft, preference, rl): buf, ex, held, held_ex ;
+#       seq (KEYS[16]) ; then the parked-feedback hashes that guards g >= 1 refer to (KEYS[16 + g]).
+# ARGV: now, capacity, eviction, dedup_window, n_events, then per event:
+#       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[16 + g]),
+#       recent_json ('' for none), n_examples, then n_examples x (kind 0..2, id, heldout 0/1, json)
+# Returns one result per event: 1 stored, 0 already seen.
 _ADD_EXAMPLES = """
-local eid, now, cap, eviction, window, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
-if mode == 'seen' then
-  if redis.call('ZSCORE', KEYS[1], eid) then
-    redis.call('HINCRBY', KEYS[2], 'duplicates', 1)
-    return 0
+local now, cap, eviction, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local n_events = tonumber(ARGV[5])
+local results = {}
+local added, dups = 0, 0
+local a = 6
+for e = 1, n_events do
+  local eid, guard, recent, n = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], tonumber(ARGV[a + 3])
+  a = a + 4
+  local fresh
+  if guard == 0 then
+    fresh = not redis.call('ZSCORE', KEYS[1], eid)
+    if fresh then redis.call('ZADD', KEYS[1], now, eid) end
+  else
+    fresh = redis.call('HDEL', KEYS[16 + guard], eid) == 1
   end
-  redis.call('ZADD', KEYS[1], now, eid)
-  local over = redis.call('ZCARD', KEYS[1]) - window
-  if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
-else
-  if redis.call('HDEL', KEYS[4], eid) == 0 then return 0 end
-end
-if ARGV[7] ~= '' then
-  redis.call('LPUSH', KEYS[3], ARGV[7])
-  redis.call('LTRIM', KEYS[3], 0, %d)
-end
-local n = tonumber(ARGV[8])
-local added = 0
-for i = 0, n - 1 do
-  local k = tonumber(ARGV[9 + i * 4])
-  local xid, held, body = ARGV[10 + i * 4], ARGV[11 + i * 4], ARGV[12 + i * 4]
-  local base = 5 + k * 4
-  local buf, ex = KEYS[base], KEYS[base + 1]
-  if held == '1' then buf, ex = KEYS[base + 2], KEYS[base + 3] end
-  if redis.call('HSETNX', ex, xid, body) == 1 then
-    local seq = redis.call('INCR', KEYS[17])
-    redis.call('ZADD', buf, seq, xid)
-    added = added + 1
-    while redis.call('ZCARD', buf) > cap do
-      local victim
-      if eviction == 'random' then
-        victim = redis.call('ZRANDMEMBER', buf)
-      else
-        victim = redis.call('ZRANGE', buf, 0, 0)[1]
+  if fresh then
+    if recent ~= '' then redis.call('LPUSH', KEYS[3], recent) end
+    for i = 0, n - 1 do
+      local k, xid, held, body = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+      a = a + 4
+      local base = 4 + k * 4
+      local buf, ex = KEYS[base], KEYS[base + 1]
+      if held == '1' then buf, ex = KEYS[base + 2], KEYS[base + 3] end
+      if redis.call('HSETNX', ex, xid, body) == 1 then
+        redis.call('ZADD', buf, redis.call('INCR', KEYS[16]), xid)
+        added = added + 1
+        while redis.call('ZCARD', buf) > cap do
+          local victim
+          if eviction == 'random' then
+            victim = redis.call('ZRANDMEMBER', buf)
+          else
+            victim = redis.call('ZRANGE', buf, 0, 0)[1]
+          end
+          redis.call('ZREM', buf, victim)
+          redis.call('HDEL', ex, victim)
+          redis.call('HINCRBY', KEYS[2], 'evicted', 1)
+        end
       end
-      redis.call('ZREM', buf, victim)
-      redis.call('HDEL', ex, victim)
-      redis.call('HINCRBY', KEYS[2], 'evicted', 1)
     end
+    results[e] = 1
+  else
+    a = a + 4 * n
+    dups = dups + 1
+    results[e] = 0
   end
 end
-redis.call('HINCRBY', KEYS[2], 'added', added)
-return 1
+local over = redis.call('ZCARD', KEYS[1]) - window
+if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+redis.call('LTRIM', KEYS[3], 0, %d)
+if added > 0 then redis.call('HINCRBY', KEYS[2], 'added', added) end
+if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
+return results
 """ % (RECENT_FEEDBACK - 1)
 
 # KEYS: seen, ix, pending ; ARGV: event_id, now, feedback_json, ttl, window
@@ -130,6 +142,18 @@ class BufferPolicy:
 
 
 @dataclass(frozen=True)
+class PendingWrite:
+    """The examples of one feedback event, waiting to be stored (`ReplayBuffer.add_many`)."""
+
+    event_id: str
+    examples: list
+    recent: str = ""
+    """JSON summary for the tenant's recent-feedback list ('' for none)."""
+    parked_for: str | None = None
+    """The interaction id whose parked feedback this was (guards on its removal)."""
+
+
+@dataclass(frozen=True)
 class SampleBatch:
     """What `ReplayBuffer.sample` returns.
 
@@ -167,7 +191,7 @@ class ReplayBuffer:
         for kind in EXAMPLE_KINDS:
             keys += [tkey(tenant, "buf", kind), tkey(tenant, "ex", kind),
                      tkey(tenant, "held", kind), tkey(tenant, "held", kind, "ex")]
-        return keys + [tkey(tenant, "seq")]
+        return keys + [tkey(tenant, "seq")]                 # KEYS[4..16] of _ADD_EXAMPLES
 
     # --- writes (ingest worker); each takes an optional pipeline to batch round trips -----
 
@@ -193,18 +217,32 @@ class ReplayBuffer:
                      recent: str = "", parked_for: str | None = None, capacity: int | None = None,
                      pipe=None):
         """Store the examples built from one feedback event, atomically and at most once.
+        Result: 1 stored, 0 already seen (see `add_many`)."""
+        item = PendingWrite(event_id, examples, recent, parked_for)
+        result = self.add_many(tenant, [item], now=now, capacity=capacity, pipe=pipe)
+        return result if pipe is not None else result[0]
 
-        De-duplicates on `event_id` (or, with `parked_for`, on removing it from that
-        interaction's parked feedback). Result: 1 stored, 0 already seen.
+    def add_many(self, tenant: str, items: list["PendingWrite"], *, now: float,
+                 capacity: int | None = None, pipe=None):
+        """Store the examples of several feedback events of one tenant in one script call.
+
+        Each event de-duplicates on its id (or, with `parked_for`, on removing it from that
+        interaction's parked feedback). Result: a list with 1 (stored) or 0 (seen) per item.
         """
-        keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent"),
-                tkey(tenant, "pending", parked_for) if parked_for else tkey(tenant, "none")]
-        keys += self._example_keys(tenant)
-        args: list = [event_id, now, capacity or self.policy.capacity, self.policy.eviction,
-                      self.policy.dedup_window, "pending" if parked_for else "seen", recent, len(examples)]
-        for ex in examples:
-            held = "1" if is_heldout(ex.example_id, self.policy.holdout_fraction) else "0"
-            args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json()]
+        keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent")] + self._example_keys(tenant)
+        guards: dict[str, int] = {}
+        args: list = [now, capacity or self.policy.capacity, self.policy.eviction, self.policy.dedup_window, len(items)]
+        for item in items:
+            guard = 0
+            if item.parked_for is not None:
+                if item.parked_for not in guards:
+                    guards[item.parked_for] = len(guards) + 1
+                    keys.append(tkey(tenant, "pending", item.parked_for))
+                guard = guards[item.parked_for]
+            args += [item.event_id, guard, item.recent, len(item.examples)]
+            for ex in item.examples:
+                held = "1" if is_heldout(ex.example_id, self.policy.holdout_fraction) else "0"
+                args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json()]
         return self._add(keys=keys, args=args, client=pipe or self.r)
 
     # --- reads (learner, console, metrics) ------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
@@ -55,7 +54,7 @@ class EventProducer:
             max_in_flight_requests_per_connection=5,
             batch_size=256 * 1024,
         )
-        self._lock = threading.Lock()
+        self._known_topics: set[str] = set()
 
     def send(self, topic: str, key: str, value: str | bytes):
         """Queue one record; returns kafka-python's future. Raises BrokerUnavailable if the
@@ -97,17 +96,18 @@ class EventProducer:
         def failed(exc: BaseException) -> None:
             loop.call_soon_threadsafe(settle, exc)
 
-        # send() may block for metadata (up to max_block_ms): keep it off the event loop.
         def queue_all() -> None:
             for key, value in records:
                 fut = self.send(topic, key, value)
                 fut.add_callback(ok)
                 fut.add_errback(failed)
 
-        try:
+        if topic in self._known_topics:
+            queue_all()                      # metadata cached: send() only appends to a buffer
+        else:
+            # the first send may block for metadata (up to max_block_ms): off the event loop
             await asyncio.to_thread(queue_all)
-        except BrokerUnavailable:
-            raise
+            self._known_topics.add(topic)
         try:
             await asyncio.wait_for(done, timeout=self.timeout_s)
         except asyncio.TimeoutError as e:

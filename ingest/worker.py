@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import redis
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 from clora.infra.registry import Registry, RegistryError
 from clora.infra.settings import IngestSettings
 from clora.ingest import metrics
-from clora.ingest.buffers import BufferPolicy, ReplayBuffer
+from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer
 from clora.ingest.joiner import build_examples
 from clora.ingest.producer import EventProducer
 from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
@@ -172,14 +173,17 @@ class IngestWorker:
         metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
         # Feedback that arrived before its interaction: apply it now (guarded by removal
         # from the parked hash, so a second drain of the same feedback stores nothing).
-        pipe = self.r.pipeline(transaction=False)
+        writes: dict[str, list[PendingWrite]] = defaultdict(list)
         for ix, flat in zip(interactions, parked_lists):
             for i in range(0, len(flat), 2):
                 fb = FeedbackEvent.model_validate_json(flat[i + 1])
-                self.buffers.add_examples(ix.tenant, fb.event_id, build_examples(ix, fb), now=now,
-                                          recent=_recent(fb), parked_for=ix.interaction_id,
-                                          capacity=self._capacity(ix.tenant), pipe=pipe)
-        pipe.execute()
+                writes[ix.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), _recent(fb),
+                                                      parked_for=ix.interaction_id))
+        if writes:
+            pipe = self.r.pipeline(transaction=False)
+            for tenant, items in writes.items():
+                self.buffers.add_many(tenant, items, now=now, capacity=self._capacity(tenant), pipe=pipe)
+            pipe.execute()
 
     def _store_feedback(self, feedback: list[FeedbackEvent]) -> None:
         todo = feedback
@@ -190,26 +194,33 @@ class IngestWorker:
         raise RuntimeError(f"{len(todo)} feedback records kept racing their interactions")
 
     def _store_feedback_once(self, feedback: list[FeedbackEvent]) -> list[FeedbackEvent]:
+        """Join what can be joined, park the rest; returns feedback whose interaction arrived
+        between our read and our park (to be joined on the next pass)."""
         now = time.time()
         raws = self.r.mget([self.buffers.interaction_key(fb.tenant, fb.interaction_id) for fb in feedback])
-        pipe = self.r.pipeline(transaction=False)
+        interactions: dict[bytes, InteractionEvent] = {}
+        writes: dict[str, list[PendingWrite]] = defaultdict(list)
+        parked: list[FeedbackEvent] = []
         for fb, raw in zip(feedback, raws):
             if raw is None:
-                self.buffers.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
-                                           now=now, pipe=pipe)
-            else:
-                ix = InteractionEvent.model_validate_json(raw)
-                self.buffers.add_examples(fb.tenant, fb.event_id, build_examples(ix, fb), now=now,
-                                          recent=_recent(fb), capacity=self._capacity(fb.tenant), pipe=pipe)
+                parked.append(fb)
+                continue
+            ix = interactions.get(raw) or interactions.setdefault(raw, InteractionEvent.model_validate_json(raw))
+            writes[fb.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), _recent(fb)))
+        pipe = self.r.pipeline(transaction=False)
+        for fb in parked:
+            self.buffers.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
+                                       now=now, pipe=pipe)
+        for tenant, items in writes.items():
+            self.buffers.add_many(tenant, items, now=now, capacity=self._capacity(tenant), pipe=pipe)
         results = pipe.execute()
-        retry = []
-        for fb, raw, res in zip(feedback, raws, results):
-            if res == -1:                       # its interaction arrived meanwhile
-                retry.append(fb)
-            elif res == 0:
-                metrics.EVENTS.labels(TOPIC_FEEDBACK, "duplicate").inc()
-            else:
-                metrics.EVENTS.labels(TOPIC_FEEDBACK, "parked" if raw is None else "stored").inc()
+        park_results, add_results = results[:len(parked)], [x for per in results[len(parked):] for x in per]
+        retry = [fb for fb, res in zip(parked, park_results) if res == -1]
+        stored = sum(add_results)
+        metrics.EVENTS.labels(TOPIC_FEEDBACK, "stored").inc(stored)
+        metrics.EVENTS.labels(TOPIC_FEEDBACK, "parked").inc(sum(1 for res in park_results if res == 1))
+        metrics.EVENTS.labels(TOPIC_FEEDBACK, "duplicate").inc(
+            len(add_results) - stored + sum(1 for res in park_results if res == 0))
         return retry
 
     def _capacity(self, tenant: str) -> int:

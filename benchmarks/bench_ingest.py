@@ -1,0 +1,203 @@
+"""Ingest benchmark: feedback through the webhook into the replay buffers, against the raw
+Redis write rate on this machine as the ceiling, in one run.
+
+    .venv/bin/python benchmarks/bench_ingest.py [--events 10000] [--batch-events 50000] [--out F]
+
+It starts its own broker, Redis, webhook (a `clora webhook` process) and ingest worker (a
+`clora ingest-worker` process), creates a tenant, logs interactions for every feedback
+record to join, then measures:
+
+- single: concurrent clients each POSTing one record at a time;
+- batch:  clients POSTing `/v1/feedback/batch` with 500 records each;
+- ceiling: the same example payloads written straight to Redis (pipelined HSET+ZADD).
+
+Accept-to-buffer latency of an event = the time its examples were written (the score the
+worker stores with its event id) minus the time the client got its 202. Prints a table
+and writes JSON (default bench-results/ingest.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import redis
+
+from clora.infra.registry import Registry
+from clora.infra.settings import BrokerSettings, PlatformSettings, RedisSettings
+from clora.infra.stack import LocalStack
+from clora.infra.supervisor import free_port, port_open
+from clora.ingest.producer import EventProducer, ensure_topics
+from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def log_interactions(bootstrap: str, tenant: str, ids: list[str]) -> None:
+    producer = EventProducer(bootstrap, timeout_s=30)
+    for iid in ids:
+        ev = InteractionEvent(tenant=tenant, interaction_id=iid, messages=[{"role": "user", "content": "What is 17*3?"}],
+                              response={"role": "assistant", "content": "51"}, completion_token_ids=[1, 2, 3],
+                              completion_logprobs=[-0.1, -0.2, -0.3])
+        producer.send(TOPIC_INTERACTIONS, tenant, ev.model_dump_json())
+    producer.flush(120)
+    producer.close()
+
+
+def wait_seen(r: redis.Redis, tenant: str, n: int, timeout: float) -> bool:
+    key = f"clora:t:{{{tenant}}}:seen"
+    deadline = time.monotonic() + timeout
+    while r.zcard(key) < n:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def post_all(url: str, key: str, payloads: list[tuple[list[str], dict]], concurrency: int) -> tuple[dict[str, float], int]:
+    """POST payloads with `concurrency` clients; returns {event_id: accept time} and error count."""
+    accepted: dict[str, float] = {}
+    errors = 0
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in payloads:
+        queue.put_nowait(p)
+    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        while not queue.empty():
+            ids, body = queue.get_nowait()
+            path = "/v1/feedback/batch" if "records" in body else "/v1/feedback"
+            for _attempt in range(20):
+                async with session.post(url + path, data=json.dumps(body), headers=headers) as resp:
+                    await resp.read()
+                    if resp.status == 202:
+                        t = time.time()
+                        for i in ids:
+                            accepted[i] = t
+                        break
+                    errors += 1
+                    await asyncio.sleep(0.2)
+
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    return accepted, errors
+
+
+def run_mode(name: str, url: str, key: str, r: redis.Redis, tenant: str, iids: list[str], batch: int,
+             concurrency: int) -> dict:
+    records = [{"interaction_id": iid, "event_id": f"{name}-{iid}", "score": 1.0, "source": "environment"} for iid in iids]
+    if batch == 1:
+        payloads = [([rec["event_id"]], rec) for rec in records]
+    else:
+        payloads = [([x["event_id"] for x in records[i:i + batch]], {"records": records[i:i + batch]})
+                    for i in range(0, len(records), batch)]
+    seen_before = r.zcard(f"clora:t:{{{tenant}}}:seen")
+    t0 = time.time()
+    accepted, errors = asyncio.run(post_all(url, key, payloads, concurrency))
+    t_accept = time.time() - t0
+    ok = wait_seen(r, tenant, seen_before + len(accepted), timeout=300)
+    t_all = time.time() - t0
+    scores = dict(zip(accepted, r.zmscore(f"clora:t:{{{tenant}}}:seen", list(accepted))))
+    lat = [scores[e] - accepted[e] for e in accepted if scores[e] is not None]
+    lost = sum(1 for e in accepted if scores[e] is None)
+    return {"mode": name, "events": len(records), "batch": batch, "concurrency": concurrency,
+            "accepted": len(accepted), "retried_errors": errors, "lost": lost, "all_stored": ok,
+            "accept_events_per_s": len(accepted) / t_accept, "end_to_end_events_per_s": len(accepted) / t_all,
+            "p50_accept_to_buffer_ms": 1000 * pct(lat, 0.5), "p99_accept_to_buffer_ms": 1000 * pct(lat, 0.99)}
+
+
+def redis_ceiling(r: redis.Redis, n: int) -> dict:
+    """Raw Redis write rate with the same example payload (HSET + ZADD per example, pipelined)."""
+    body = json.dumps({"example_id": "x", "messages": [{"role": "user", "content": "What is 17*3?"}],
+                       "response": {"role": "assistant", "content": "51"}, "reward": 1.0,
+                       "completion_token_ids": [1, 2, 3], "behaviour_logprobs": [-0.1, -0.2, -0.3]})
+    tag = uuid.uuid4().hex[:6]
+    t0 = time.time()
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        pipe.hset(f"ceiling:{{{tag}}}:ex", f"e{i}", body)
+        pipe.zadd(f"ceiling:{{{tag}}}:buf", {f"e{i}": i})
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
+    dt = time.time() - t0
+    r.delete(f"ceiling:{{{tag}}}:ex", f"ceiling:{{{tag}}}:buf")
+    return {"mode": "redis ceiling", "events": n, "batch": 1000, "concurrency": 1, "accepted": n,
+            "accept_events_per_s": n / dt, "end_to_end_events_per_s": n / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=10_000, help="records in the single-record run")
+    ap.add_argument("--batch-events", type=int, default=50_000, help="records in the batched run")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("bench-results/ingest.json"))
+    args = ap.parse_args()
+
+    data = Path(tempfile.mkdtemp(prefix="clora-bench-"))
+    stack = LocalStack(platform=PlatformSettings(data_dir=data), broker=BrokerSettings(port=free_port()),
+                       redis=RedisSettings(port=free_port())).start()
+    procs: list[subprocess.Popen] = []
+    try:
+        ensure_topics(stack.kafka_bootstrap, stack.broker.partitions)
+        port = free_port()
+        env = {**os.environ, "CLORA_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "CLORA_REDIS_URL": stack.redis_url,
+               "CLORA_WEBHOOK_PORT": str(port), "CLORA_INGEST_METRICS_PORT": "0", "CLORA_INGEST_BUFFER_CAPACITY": "1000000"}
+        logs = data / "logs"
+        for args_ in (["webhook", "--log-level", "WARNING"], ["ingest-worker", "--log-level", "WARNING"]):
+            procs.append(subprocess.Popen([sys.executable, "-m", "clora.infra.cli", *args_], env=env,
+                                          stdout=open(logs / f"{args_[0]}.log", "ab"), stderr=subprocess.STDOUT))
+        while not port_open("127.0.0.1", port):
+            time.sleep(0.1)
+        r = redis.Redis.from_url(stack.redis_url)
+        tenant = f"bench-{uuid.uuid4().hex[:6]}"
+        _, key = Registry(r).create_tenant(tenant)
+        total = args.events + args.batch_events
+        iids = [f"ix-{i}" for i in range(total)]
+        print(f"logging {total} interactions to join with ...", flush=True)
+        log_interactions(stack.kafka_bootstrap, tenant, iids)
+        if not wait_seen(r, tenant, total, timeout=300):
+            raise SystemExit("the ingest worker did not store the interactions in time")
+        url = f"http://127.0.0.1:{port}"
+        rows = [redis_ceiling(r, 50_000)]
+        print(f"single-record run: {args.events} records, {args.concurrency} clients ...", flush=True)
+        rows.append(run_mode("single", url, key, r, tenant, iids[:args.events], 1, args.concurrency))
+        print(f"batched run: {args.batch_events} records in batches of 500 ...", flush=True)
+        rows.append(run_mode("batch", url, key, r, tenant, iids[args.events:], 500, 4))
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        stack.stop()
+
+    ceiling = rows[0]["accept_events_per_s"]
+    print(f"\n{'mode':<14}{'events':>8}{'accepted/s':>12}{'e2e/s':>10}{'vs redis':>10}{'p50 ms':>9}{'p99 ms':>9}{'lost':>6}")
+    for row in rows:
+        print(f"{row['mode']:<14}{row['events']:>8}{row['accept_events_per_s']:>12.0f}{row['end_to_end_events_per_s']:>10.0f}"
+              f"{row['end_to_end_events_per_s'] / ceiling:>10.2f}{row.get('p50_accept_to_buffer_ms', float('nan')):>9.1f}"
+              f"{row.get('p99_accept_to_buffer_ms', float('nan')):>9.1f}{row.get('lost', 0):>6}")
+    targets = {"single_events_per_s": 2000, "batch_events_per_s": 20000, "p99_accept_to_buffer_ms": 1000}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "targets": targets, "time": time.time()}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
