@@ -1,0 +1,191 @@
+"""What the gateway does to a completion on its way through: the upstream request it sends
+vLLM, the response it gives the client, and the interaction events it records.
+
+vLLM is always asked for the completion token ids (`return_token_ids`) and the sampled
+tokens' logprobs, because every interaction event carries them (the behaviour policy for
+RL). When the client did not ask for them they are removed from its response.
+
+`Recorder` collects one response — whole (`finish`) or as stream chunks (`chunk`) — and
+builds the events. Worked example for a streamed chat with n=1: chunks carrying
+`delta.content` "Hel", "lo" and `token_ids` [9, 4] give a response message "Hello" and
+`completion_token_ids` [9, 4].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from clora.ingest.schemas import InteractionEvent, Message
+from clora.serving.aliases import AdapterRef
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "n", "stop", "seed",
+                 "presence_penalty", "frequency_penalty", "tool_choice", "min_tokens", "repetition_penalty")
+VLLM_EXTRAS = ("prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params",
+               "metrics")
+CHOICE_EXTRAS = ("token_ids", "routed_experts")
+
+
+def upstream_body(body: dict[str, Any], kind: Kind, served_model: str) -> dict[str, Any]:
+    """The request vLLM gets: the client's, with the served name and token ids + logprobs on."""
+    up = dict(body, model=served_model, return_token_ids=True)
+    if kind == "chat":
+        if not body.get("logprobs"):
+            up["logprobs"], up["top_logprobs"] = True, 0
+    elif body.get("logprobs") is None:
+        up["logprobs"] = 0
+    return up
+
+
+def _client_wants(body: dict[str, Any], kind: Kind) -> tuple[bool, bool]:
+    """(wants logprobs, wants token ids) as the client asked."""
+    lp = bool(body.get("logprobs")) if kind == "chat" else body.get("logprobs") is not None
+    return lp, bool(body.get("return_token_ids"))
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Recorder:
+    """One request's response as it passes through; builds its interaction events."""
+
+    def __init__(self, *, kind: Kind, body: dict[str, Any], tenant: str, interaction_id: str,
+                 ref: AdapterRef | None, client_model: str):
+        self.kind, self.body, self.tenant, self.interaction_id = kind, body, tenant, interaction_id
+        self.ref, self.client_model = ref, client_model
+        self.wants_logprobs, self.wants_token_ids = _client_wants(body, kind)
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_token_ids: list[int] | None = None
+        self.started = time.monotonic()
+
+    # --- collecting ---------------------------------------------------------------------
+
+    def _choice(self, index: int) -> _Choice:
+        return self.choices.setdefault(index, _Choice())
+
+    def _take_logprobs(self, ch: _Choice, raw: dict[str, Any]) -> None:
+        lp = raw.get("logprobs")
+        if not lp:
+            return
+        if self.kind == "chat":
+            ch.logprobs += [t["logprob"] for t in lp.get("content") or []]
+        else:
+            ch.logprobs += [x for x in lp.get("token_logprobs") or []]
+
+    def _strip(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj["id"] = self.interaction_id
+        obj["model"] = self.client_model
+        for k in VLLM_EXTRAS:
+            if not (k == "prompt_token_ids" and self.wants_token_ids):
+                obj.pop(k, None)
+        for c in obj.get("choices") or []:
+            if not self.wants_token_ids:
+                for k in CHOICE_EXTRAS:
+                    c.pop(k, None)
+            if not self.wants_logprobs:
+                c["logprobs"] = None
+        return obj
+
+    def finish(self, resp: dict[str, Any]) -> dict[str, Any]:
+        """Take a whole (non-streamed) response; returns what the client gets."""
+        self.prompt_token_ids = resp.get("prompt_token_ids")
+        for c in resp.get("choices") or []:
+            ch = self._choice(c["index"])
+            ch.token_ids = list(c.get("token_ids") or [])
+            self._take_logprobs(ch, c)
+            ch.finish_reason = c.get("finish_reason")
+            if self.kind == "chat":
+                msg = c.get("message") or {}
+                ch.text = [msg.get("content") or ""]
+                for i, tc in enumerate(msg.get("tool_calls") or []):
+                    ch.tool_calls[i] = {"id": tc.get("id"), "name": tc["function"]["name"],
+                                        "arguments": tc["function"].get("arguments") or ""}
+            else:
+                ch.text = [c.get("text") or ""]
+        return self._strip(resp)
+
+    def chunk(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Take one streamed chunk; returns the chunk the client gets."""
+        if obj.get("prompt_token_ids"):
+            self.prompt_token_ids = obj["prompt_token_ids"]
+        for c in obj.get("choices") or []:
+            ch = self._choice(c.get("index", 0))
+            ch.token_ids += c.get("token_ids") or []
+            self._take_logprobs(ch, c)
+            if c.get("finish_reason"):
+                ch.finish_reason = c["finish_reason"]
+            if self.kind == "chat":
+                delta = c.get("delta") or {}
+                if delta.get("content"):
+                    ch.text.append(delta["content"])
+                for tc in delta.get("tool_calls") or []:
+                    acc = ch.tool_calls.setdefault(tc.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                    acc["id"] = tc.get("id") or acc["id"]
+                    fn = tc.get("function") or {}
+                    acc["name"] += fn.get("name") or ""
+                    acc["arguments"] += fn.get("arguments") or ""
+            elif c.get("text"):
+                ch.text.append(c["text"])
+        return self._strip(obj)
+
+    # --- events -------------------------------------------------------------------------
+
+    def interaction_ids(self) -> list[str]:
+        n = int(self.body.get("n") or 1)
+        return [self.interaction_id] if n == 1 else [f"{self.interaction_id}-{i}" for i in range(n)]
+
+    def _messages(self) -> list[Message]:
+        if self.kind == "completion":
+            prompt = self.body.get("prompt")
+            return [Message(role="user", content=prompt if isinstance(prompt, str) else str(prompt))]
+        out = []
+        for m in self.body.get("messages") or []:
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            out.append(Message(role=m.get("role"), content=content if content is not None or not m.get("tool_calls")
+                               else None, name=m.get("name"), tool_calls=m.get("tool_calls"),
+                               tool_call_id=m.get("tool_call_id")))
+        return out
+
+    def events(self) -> list[InteractionEvent]:
+        latency_ms = (time.monotonic() - self.started) * 1000
+        sampling = {k: self.body[k] for k in SAMPLING_KEYS if self.body.get(k) is not None}
+        ids = self.interaction_ids()
+        group = self.interaction_id if len(ids) > 1 else None
+        try:
+            messages = self._messages()
+            out = []
+            for index, ch in sorted(self.choices.items()):
+                calls = [{"id": tc["id"] or f"call-{self.interaction_id}-{i}", "type": "function",
+                          "function": {"name": tc["name"], "arguments": tc["arguments"]}}
+                         for i, tc in sorted(ch.tool_calls.items())]
+                response = Message(role="assistant", content="".join(ch.text) if ch.text or not calls else None,
+                                   tool_calls=calls or None)
+                lps = ch.logprobs if len(ch.logprobs) == len(ch.token_ids) else None
+                out.append(InteractionEvent(
+                    tenant=self.tenant, interaction_id=ids[index] if index < len(ids) else f"{self.interaction_id}-{index}",
+                    adapter=self.ref.name if self.ref else None, adapter_version=self.ref.version if self.ref else None,
+                    messages=messages, tools=self.body.get("tools"), response=response,
+                    prompt_token_ids=self.prompt_token_ids, completion_token_ids=ch.token_ids,
+                    completion_logprobs=lps, sampling=sampling, group_id=group, latency_ms=latency_ms,
+                ))
+            return out
+        except ValidationError as e:
+            log.error("interaction %s (tenant %s) cannot be recorded as an event: %s", self.interaction_id,
+                      self.tenant, e)
+            return []

@@ -1,0 +1,222 @@
+"""The engine manager: the vLLM replicas behind the gateway and the adapters resident in each.
+
+Owns
+- starting/stopping every replica and a health monitor that restarts a dead or hung one and
+  reloads every live adapter (at its current version) into it before it takes traffic again;
+- routing: `lease(ref)` picks the healthy replica with the fewest requests in flight, makes
+  sure `ref`'s adapter is resident there (loading it on demand, evicting the least recently
+  used idle adapter when the replica's `max_cpu_loras` slots are full) and pins it for the
+  duration of the request, so it can be neither evicted nor retired mid-request;
+- `preload(ref)` (hot swap: load a new version everywhere before the alias switches) and
+  `retire(ref)` (wait until no request pins the old version, then unload it everywhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from clora.serving.aliases import AdapterRef
+from clora.serving.replica import Replica, ReplicaError
+from clora.serving.residency import CapacityError
+from clora.serving.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """No replica is healthy right now."""
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter could not be made resident."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One request's hold on a replica (and on an adapter resident there)."""
+
+    replica: Replica
+    model: str
+    """Name to send as `model` to vLLM: the versioned adapter name, or the base model name."""
+    ref: AdapterRef | None
+
+
+class EngineManager:
+    def __init__(self, settings: EngineSettings, *, live_refs: Callable[[], list[AdapterRef]] = list,
+                 adapter_wait_s: float = 30.0):
+        self.settings = settings
+        self.replicas = [Replica(i, p, settings) for i, p in enumerate(settings.ports)]
+        self.live_refs = live_refs
+        """Adapters to reload into a restarted replica (the alias table's live versions)."""
+        self.adapter_wait_s = adapter_wait_s
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(120, connect=2))
+        self._changed = asyncio.Condition()
+        self._monitor: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for r in self.replicas:
+            r.spawn()
+        try:
+            await asyncio.gather(*(r.wait_ready(self.http) for r in self.replicas))
+        except BaseException:
+            await self.stop()
+            raise
+        for r in self.replicas:
+            r.healthy = True
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-monitor")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._monitor:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        await asyncio.gather(*(asyncio.to_thread(r.terminate) for r in self.replicas))
+        await self.http.aclose()
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def mark_failed(self, replica: Replica, cause: BaseException | str) -> None:
+        """A request could not reach `replica`: stop routing to it until the monitor checked it."""
+        if replica.healthy:
+            log.warning("replica %d marked unhealthy: %s", replica.index, cause)
+        replica.healthy = False
+        self._wake.set()
+
+    # --- routing ------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(self, ref: AdapterRef | None) -> AsyncIterator[Lease]:
+        replica = self._pick()
+        if ref is not None:
+            await self._make_resident(replica, ref, pin=True)
+        replica.in_flight += 1
+        try:
+            yield Lease(replica, ref.name if ref else self.settings.base_name, ref)
+        finally:
+            replica.in_flight -= 1
+            if ref is not None:
+                replica.resident.unpin(ref.name)
+                async with self._changed:
+                    self._changed.notify_all()
+
+    def _pick(self) -> Replica:
+        healthy = self.healthy()
+        if not healthy:
+            raise EngineUnavailable(f"no healthy engine replica (0 of {len(self.replicas)})")
+        return min(healthy, key=lambda r: r.in_flight)
+
+    async def _make_resident(self, replica: Replica, ref: AdapterRef, *, pin: bool) -> None:
+        name = ref.name
+        if name in replica.resident:  # fast path: no await between the check and the pin
+            replica.resident.pin(name) if pin else replica.resident.touch(name)
+            return
+        deadline = time.monotonic() + self.adapter_wait_s
+        while True:
+            async with replica.lock:
+                if name in replica.resident:
+                    replica.resident.pin(name) if pin else replica.resident.touch(name)
+                    return
+                try:
+                    while replica.resident.full():
+                        victim = replica.resident.victim()
+                        await replica.unload_adapter(self.http, victim)
+                        replica.resident.remove(victim)
+                        log.info("evicted %s from replica %d (LRU)", victim, replica.index)
+                except CapacityError as e:
+                    if time.monotonic() >= deadline:
+                        raise AdapterLoadError(f"no slot for {name} on replica {replica.index} after "
+                                               f"{self.adapter_wait_s} s: {e}") from e
+                else:
+                    try:
+                        await replica.load_adapter(self.http, name, ref.path)
+                    except ReplicaError as e:
+                        if not replica.alive():
+                            self.mark_failed(replica, e)
+                        raise AdapterLoadError(f"loading {name} (tenant {ref.tenant} v{ref.version}) "
+                                               f"from {ref.path} failed") from e
+                    replica.resident.add(name, ref.path)
+                    if pin:
+                        replica.resident.pin(name)
+                    return
+            async with self._changed:  # every slot busy: wait for a request to finish
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+
+    # --- hot swap -----------------------------------------------------------------------
+
+    async def preload(self, ref: AdapterRef) -> None:
+        """Make `ref` resident on every healthy replica (before its alias switches to it)."""
+        await asyncio.gather(*(self._make_resident(r, ref, pin=False) for r in self.healthy()))
+
+    def pins(self, name: str) -> int:
+        return sum(r.resident.pins(name) for r in self.replicas)
+
+    async def retire(self, ref: AdapterRef, drain_timeout_s: float) -> None:
+        """Wait until no in-flight request uses `ref`, then unload it from every replica."""
+        deadline = time.monotonic() + drain_timeout_s
+        async with self._changed:
+            while self.pins(ref.name) and time.monotonic() < deadline:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+        if self.pins(ref.name):
+            log.warning("unloading %s with %d requests still in flight after %.0f s", ref.name,
+                        self.pins(ref.name), drain_timeout_s)
+        for r in self.replicas:
+            async with r.lock:
+                if ref.name in r.resident and r.resident.pins(ref.name) == 0:
+                    try:
+                        await r.unload_adapter(self.http, ref.name)
+                    except ReplicaError as e:
+                        log.warning("retiring %s: %s", ref.name, e)
+                        continue
+                    r.resident.remove(ref.name)
+
+    def resident_names(self) -> dict[int, list[str]]:
+        return {r.index: r.resident.names() for r in self.replicas}
+
+    # --- health -------------------------------------------------------------------------
+
+    async def _monitor_loop(self) -> None:
+        failures = {r.index: 0 for r in self.replicas}
+        while not self._stopping:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.health_interval_s)
+            self._wake.clear()
+            for r in self.replicas:
+                ok = r.alive() and await r.check_health(self.http)
+                failures[r.index] = 0 if ok else failures[r.index] + 1
+                if ok and not r.healthy:
+                    r.healthy = True  # a failure a request reported, which the health check refutes
+                dead = not r.alive() or failures[r.index] >= 3
+                if dead and self.settings.restart:
+                    try:
+                        await self._restart(r)
+                        failures[r.index] = 0
+                    except (ReplicaError, AdapterLoadError) as e:
+                        log.error("restarting replica %d failed (will retry): %s", r.index, e)
+
+    async def _restart(self, r: Replica) -> None:
+        r.healthy = False
+        log.warning("restarting vLLM replica %d (alive=%s)", r.index, r.alive())
+        await asyncio.to_thread(r.terminate, 5.0)
+        r.resident.clear()
+        r.restarts += 1
+        r.spawn()
+        await r.wait_ready(self.http)
+        for ref in self.live_refs()[: r.resident.capacity]:
+            await self._make_resident(r, ref, pin=False)
+        r.healthy = True
+        log.info("replica %d back with %d live adapters: %s", r.index, len(r.resident), r.resident.names())

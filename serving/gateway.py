@@ -1,0 +1,270 @@
+"""The OpenAI-compatible gateway (FastAPI): authentication, tenant -> adapter routing,
+quotas, streaming pass-through, interaction logging.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`GET /v1/models/{model}`, `GET /health`.
+
+`model` is the base model name, the caller's tenant id (its live adapter version) or a
+pinned version `tenant@v7`. Any other tenant's model answers 404 `model_not_found`, exactly
+like a model that does not exist. The response `id` is the interaction id: it is claimed in
+the registry for the caller's tenant before the response is sent, and feedback names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from clora.infra.registry import ApiKeyPrincipal, Registry, RegistryError
+from clora.serving import errors
+from clora.serving.aliases import AdapterRef, parse_model
+from clora.serving.completions import Kind, Recorder, upstream_body
+from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
+from clora.serving.errors import ApiError
+from clora.serving.hotswap import HotSwapper
+from clora.serving.interactions import InteractionLogger
+from clora.serving.quota import TenantQuota
+from clora.serving.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings
+    registry: Registry
+    engine: EngineManager
+    swapper: HotSwapper
+    logger: InteractionLogger
+    quota: TenantQuota
+
+    # --- admission ----------------------------------------------------------------------
+
+    async def authenticate(self, request: Request) -> ApiKeyPrincipal:
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise errors.invalid_api_key()
+        principal = await asyncio.to_thread(self.registry.authenticate, key.strip())
+        if principal is None:
+            raise errors.invalid_api_key()
+        return principal
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError as e:
+            raise errors.bad_request(f"request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise errors.bad_request("request body must be a JSON object")
+        return body
+
+    def validate(self, body: dict[str, Any], kind: Kind) -> None:
+        if not isinstance(body.get("model"), str) or not body["model"]:
+            raise errors.bad_request("you must provide a model parameter", "model")
+        if kind == "chat" and (not isinstance(body.get("messages"), list) or not body["messages"]):
+            raise errors.bad_request("messages must be a non-empty array", "messages")
+        if kind == "completion" and body.get("prompt") in (None, "", []):
+            raise errors.bad_request("prompt must be given", "prompt")
+        for param in ("max_tokens", "max_completion_tokens"):
+            value = body.get(param)
+            if value is not None and (not isinstance(value, int) or not 1 <= value <= self.settings.max_tokens_limit):
+                raise errors.bad_request(f"{param} must be an integer in [1, {self.settings.max_tokens_limit}], "
+                                         f"got {value!r}", param)
+        n = body.get("n", 1)
+        if n is not None and (not isinstance(n, int) or not 1 <= n <= self.settings.max_n):
+            raise errors.bad_request(f"n must be an integer in [1, {self.settings.max_n}], got {n!r}", "n")
+
+    async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
+        """The adapter `model` names for this caller (None: the base model)."""
+        if model == self.engine.settings.base_name:
+            return None
+        tenant, version = parse_model(model)
+        if tenant != principal.tenant:
+            raise errors.model_not_found(model)
+        if version is None:
+            ref = await self.swapper.live_ref(tenant)
+            if ref is None:
+                raise errors.model_not_found(model)
+            return ref
+        try:
+            av = await asyncio.to_thread(self.registry.adapter_version, tenant, version)
+        except RegistryError as e:
+            raise errors.model_not_found(model) from e
+        return AdapterRef(tenant, av.version, av.path)
+
+    # --- completions --------------------------------------------------------------------
+
+    async def complete(self, request: Request, kind: Kind, path: str) -> Response:
+        principal = await self.authenticate(request)
+        body = await self.read_json(request)
+        self.validate(body, kind)
+        ref = await self.resolve(principal, body["model"])
+        self.quota.acquire(principal.tenant)
+        stack = contextlib.AsyncExitStack()
+        stack.callback(self.quota.release, principal.tenant)
+        try:
+            try:
+                lease = await stack.enter_async_context(self.engine.lease(ref))
+            except EngineUnavailable as e:
+                raise errors.unavailable(str(e)) from e
+            except AdapterLoadError as e:
+                raise errors.unavailable(f"adapter {ref.name if ref else '?'} could not be loaded: {e}") from e
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
+                           client_model=lease.model)
+            for iid in rec.interaction_ids():
+                await asyncio.to_thread(self.registry.claim_interaction, iid, principal.tenant)
+            up = upstream_body(body, kind, lease.model)
+            url = lease.replica.url + path
+            if body.get("stream"):
+                response = await self._stream(url, up, rec, lease, stack)
+                stack = None  # the stream owns the lease and the quota slot now
+                return response
+            return await self._whole(url, up, rec, lease)
+        finally:
+            if stack is not None:
+                await stack.aclose()
+
+    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease) -> Response:
+        try:
+            r = await self.engine.http.post(url, json=up, timeout=self.settings.upstream_timeout_s)
+        except UPSTREAM_BROKEN as e:
+            self.engine.mark_failed(lease.replica, e)
+            raise errors.unavailable(f"engine replica {lease.replica.index} failed mid-request: {e}") from e
+        except httpx.TimeoutException as e:
+            raise ApiError(504, f"engine did not answer within {self.settings.upstream_timeout_s} s",
+                           type="server_error", code="timeout") from e
+        if r.status_code != 200:
+            return _upstream_error(r.status_code, r.content)
+        out = rec.finish(r.json())
+        for ev in rec.events():
+            self.logger.submit(ev)
+        return JSONResponse(out)
+
+    async def _stream(self, url: str, up: dict[str, Any], rec: Recorder, lease,
+                      stack: contextlib.AsyncExitStack) -> Response:
+        try:
+            upstream = await stack.enter_async_context(
+                self.engine.http.stream("POST", url, json=up, timeout=self.settings.upstream_timeout_s))
+        except UPSTREAM_BROKEN as e:
+            self.engine.mark_failed(lease.replica, e)
+            raise errors.unavailable(f"engine replica {lease.replica.index} failed: {e}") from e
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await stack.aclose()
+            return _upstream_error(upstream.status_code, content)
+
+        async def relay() -> AsyncIterator[bytes]:
+            complete = False
+            try:
+                async for line in upstream.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data.strip() == "[DONE]":
+                        complete = True
+                        yield b"data: [DONE]\n\n"
+                        continue
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        yield f"data: {json.dumps(obj)}\n\n".encode()
+                        continue
+                    yield f"data: {json.dumps(rec.chunk(obj))}\n\n".encode()
+            except UPSTREAM_BROKEN as e:
+                self.engine.mark_failed(lease.replica, e)
+                err = errors.unavailable(f"engine replica {lease.replica.index} failed mid-stream: {e}")
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
+            finally:
+                if complete:
+                    for ev in rec.events():
+                        self.logger.submit(ev)
+                await stack.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    # --- models -------------------------------------------------------------------------
+
+    async def models(self, principal: ApiKeyPrincipal) -> list[dict[str, Any]]:
+        base = self.engine.settings.base_name
+        out = [{"id": base, "object": "model", "created": 0, "owned_by": "clora"}]
+        versions = await asyncio.to_thread(self.registry.adapter_versions, principal.tenant)
+        live = await self.swapper.live_ref(principal.tenant)
+        if live is not None:
+            out.append({"id": principal.tenant, "object": "model", "created": int(versions[-1].created_at)
+                        if versions else 0, "owned_by": principal.tenant, "root": live.name, "parent": base})
+        for v in versions:
+            out.append({"id": f"{principal.tenant}@v{v.version}", "object": "model", "created": int(v.created_at),
+                        "owned_by": principal.tenant, "root": f"{principal.tenant}@v{v.version}", "parent": base})
+        return out
+
+
+def _upstream_error(status: int, content: bytes) -> JSONResponse:
+    """vLLM's own 4xx/5xx, kept in OpenAI's error shape."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        body = {"error": {"message": content.decode(errors="replace")[:2000], "type": "server_error"
+                          if status >= 500 else "invalid_request_error", "param": None, "code": None}}
+    if isinstance(body.get("error"), dict) and isinstance(body["error"].get("code"), int):
+        body["error"]["code"] = None  # vLLM puts the HTTP status there; OpenAI uses strings
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="clora gateway", docs_url=None, redoc_url=None)
+    app.add_exception_handler(ApiError, errors.handle_api_error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = len(gw.engine.healthy())
+        return JSONResponse({"healthy_replicas": healthy, "replicas": len(gw.engine.replicas)},
+                            status_code=200 if healthy else 503)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await gw.complete(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gw.complete(request, "completion", "/v1/completions")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        principal = await gw.authenticate(request)
+        return JSONResponse({"object": "list", "data": await gw.models(principal)})
+
+    @app.get("/v1/models/{model}")
+    async def get_model(model: str, request: Request) -> JSONResponse:
+        principal = await gw.authenticate(request)
+        for m in await gw.models(principal):
+            if m["id"] == model:
+                return JSONResponse(m)
+        raise errors.model_not_found(model)
+
+    return app

@@ -1,0 +1,166 @@
+"""Versioned hot swap: keep each tenant's alias on the registry's live adapter version.
+
+`HotSwapper.reconcile(tenant)` reads the live version from the registry; when it differs
+from the alias it (1) loads the new version into every healthy replica under its own name
+(`acme@v8`, its own folder), (2) switches the alias in one assignment — requests admitted
+from then on use v8, requests already running keep v7 — and (3) in the background waits for
+v7's in-flight requests to drain and unloads it. A rollback is the same move backwards.
+
+Triggers: `clora.adapters` events (published / promoted / rolled_back), consumed by
+`AdapterEventListener`, and a registry poll every `registry_poll_s` for tenants the gateway
+knows (plus a full tenant-list refresh every `tenant_refresh_s`), so a missed event only
+delays a swap by one poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer
+from kafka.errors import KafkaError
+
+from clora.infra.registry import Registry, RegistryError
+from clora.ingest.schemas import TOPIC_ADAPTERS, AdapterEvent
+from clora.serving.aliases import AdapterRef, AliasTable
+from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One alias switch, for metrics and tests."""
+
+    tenant: str
+    old: AdapterRef | None
+    new: AdapterRef | None
+    started: float
+    """time.time() when the new live version was noticed."""
+    switched: float
+    """time.time() when the alias pointed at the new version (it serves from then on)."""
+
+
+class HotSwapper:
+    def __init__(self, registry: Registry, aliases: AliasTable, engine: EngineManager, *,
+                 poll_s: float = 0.25, refresh_s: float = 5.0, drain_timeout_s: float = 600.0):
+        self.registry, self.aliases, self.engine = registry, aliases, engine
+        self.poll_s, self.refresh_s, self.drain_timeout_s = poll_s, refresh_s, drain_timeout_s
+        self.swaps: list[Swap] = []
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._known: set[str] = set()
+        self._retiring: set[asyncio.Task] = set()
+        self._task: asyncio.Task | None = None
+
+    async def live_ref(self, tenant: str) -> AdapterRef | None:
+        """The tenant's live adapter (reconciling first if the gateway has not seen the tenant)."""
+        ref = self.aliases.get(tenant)
+        if ref is None:
+            self._known.add(tenant)
+            await self.reconcile(tenant)
+            ref = self.aliases.get(tenant)
+        return ref
+
+    def _read_live(self, tenant: str) -> AdapterRef | None:
+        version = self.registry.live_version(tenant)
+        if version is None:
+            return None
+        av = self.registry.adapter_version(tenant, version)
+        return AdapterRef(tenant, av.version, av.path)
+
+    async def reconcile(self, tenant: str) -> None:
+        async with self._locks[tenant]:
+            started = time.time()
+            try:
+                new = await asyncio.to_thread(self._read_live, tenant)
+            except RegistryError as e:
+                log.error("reading tenant %s's live adapter failed: %s", tenant, e)
+                return
+            old = self.aliases.get(tenant)
+            if new == old:
+                return
+            if new is not None:
+                try:
+                    await self.engine.preload(new)
+                except (AdapterLoadError, EngineUnavailable) as e:
+                    # Keep serving the old version; the next poll retries.
+                    log.error("hot swap of tenant %s to v%d not done, still serving %s: %s",
+                              tenant, new.version, old.name if old else "nothing", e)
+                    return
+            self.aliases.switch(tenant, new)
+            self.swaps.append(Swap(tenant, old, new, started, time.time()))
+            log.info("tenant %s: %s -> %s", tenant, old.name if old else None, new.name if new else None)
+            if old is not None:
+                task = asyncio.create_task(self.engine.retire(old, self.drain_timeout_s))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+
+    async def run(self) -> None:
+        """Poll the registry until cancelled."""
+        last_refresh = 0.0
+        while True:
+            if time.monotonic() - last_refresh > self.refresh_s:
+                with contextlib.suppress(RegistryError):
+                    tenants = await asyncio.to_thread(self.registry.list_tenants)
+                    self._known |= {t.id for t in tenants}
+                last_refresh = time.monotonic()
+            for tenant in list(self._known):
+                await self.reconcile(tenant)
+            await asyncio.sleep(self.poll_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="hot-swap")
+
+    async def stop(self) -> None:
+        for t in [self._task, *self._retiring]:
+            if t:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+
+class AdapterEventListener:
+    """Consumes `clora.adapters` (from the end: the registry holds the state) in a thread and
+    asks the swapper to reconcile each named tenant at once."""
+
+    def __init__(self, bootstrap: str, swapper: HotSwapper, loop: asyncio.AbstractEventLoop):
+        self.bootstrap, self.swapper, self.loop = bootstrap, swapper, loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adapter-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        consumer = None
+        while not self._stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = KafkaConsumer(TOPIC_ADAPTERS, bootstrap_servers=self.bootstrap, group_id=None,
+                                             auto_offset_reset="latest", enable_auto_commit=False,
+                                             consumer_timeout_ms=500, request_timeout_ms=10_000)
+                for batch in consumer.poll(timeout_ms=500).values():
+                    for rec in batch:
+                        self._handle(rec.value)
+            except KafkaError as e:
+                log.warning("adapter event consumer: %s (retrying; registry polling covers the gap)", e)
+                self._stop.wait(2.0)
+        if consumer is not None:
+            consumer.close()
+
+    def _handle(self, raw: bytes) -> None:
+        try:
+            event = AdapterEvent.model_validate_json(raw)
+        except ValueError as e:
+            log.error("ignoring an invalid adapter event (the DLQ is the producer's job): %s", e)
+            return
+        asyncio.run_coroutine_threadsafe(self.swapper.reconcile(event.tenant), self.loop)

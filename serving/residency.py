@@ -1,0 +1,86 @@
+"""Registered vs resident adapters of one engine replica.
+
+An adapter is *registered* with the gateway when some tenant version may be served (its
+folder is known); it is *resident* in a replica when that replica's vLLM server has it
+loaded. A replica holds at most `capacity` resident adapters (vLLM `--max-cpu-loras`).
+`ResidentSet` is the bookkeeping only (no I/O): which names are resident, how many
+in-flight requests pin each one, and which idle one was least recently used, so the engine
+can evict it when a new one must be loaded. A pinned adapter is never evicted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+class CapacityError(RuntimeError):
+    """Every resident adapter is pinned by in-flight requests: nothing can be evicted."""
+
+
+@dataclass
+class Resident:
+    name: str
+    path: str
+    pins: int = 0
+    """In-flight requests using this adapter on this replica."""
+    last_used: int = 0
+    """Logical clock of the last pin (higher is more recent)."""
+
+
+class ResidentSet:
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._items: dict[str, Resident] = {}
+        self._clock = itertools.count(1)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def names(self) -> list[str]:
+        """Resident names, least recently used first."""
+        return [r.name for r in sorted(self._items.values(), key=lambda r: r.last_used)]
+
+    def pins(self, name: str) -> int:
+        r = self._items.get(name)
+        return r.pins if r else 0
+
+    def add(self, name: str, path: str) -> None:
+        if name not in self._items and len(self._items) >= self.capacity:
+            raise CapacityError(f"cannot add {name}: {len(self._items)} of {self.capacity} slots resident")
+        self._items.setdefault(name, Resident(name, path)).last_used = next(self._clock)
+
+    def remove(self, name: str) -> None:
+        self._items.pop(name, None)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def touch(self, name: str) -> None:
+        self._items[name].last_used = next(self._clock)
+
+    def pin(self, name: str) -> None:
+        r = self._items[name]
+        r.pins += 1
+        r.last_used = next(self._clock)
+
+    def unpin(self, name: str) -> None:
+        r = self._items.get(name)
+        if r is not None and r.pins > 0:
+            r.pins -= 1
+
+    def full(self) -> bool:
+        return len(self._items) >= self.capacity
+
+    def victim(self) -> str:
+        """The least recently used adapter no request is using. Raises CapacityError if all are busy."""
+        idle = [r for r in self._items.values() if r.pins == 0]
+        if not idle:
+            raise CapacityError(f"all {len(self._items)} resident adapters (capacity {self.capacity}) "
+                                f"are in use by in-flight requests")
+        return min(idle, key=lambda r: r.last_used).name

@@ -1,0 +1,132 @@
+"""The serving service: vLLM engine replicas + the OpenAI-compatible gateway, as one unit
+that `clora up` (or a test) starts and stops.
+
+    svc = ServingService(EngineSettings(model=...), GatewaySettings(port=8000),
+                         kafka_bootstrap="127.0.0.1:19092", redis_url="redis://127.0.0.1:16379/0")
+    svc.start()          # blocks until every replica is healthy and the gateway listens
+    print(svc.url)       # http://127.0.0.1:8000/v1 for the openai client's base_url
+    svc.stop()
+
+or, blocking until `stop_event` is set: `run_serving(engine, gateway, kafka_bootstrap, redis_url, stop_event)`.
+
+Everything async (engine monitor, hot swap, request handling) runs on one event loop in a
+background thread; the interaction logger and the adapter-event consumer have their own threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import redis
+import uvicorn
+
+from clora.infra.registry import Registry
+from clora.ingest.producer import EventProducer
+from clora.serving.aliases import AliasTable
+from clora.serving.engine import EngineManager
+from clora.serving.gateway import Gateway, create_app
+from clora.serving.hotswap import AdapterEventListener, HotSwapper
+from clora.serving.interactions import InteractionLogger
+from clora.serving.quota import TenantQuota
+from clora.serving.settings import EngineSettings, GatewaySettings
+from clora.serving.spool import DiskSpool
+
+log = logging.getLogger(__name__)
+
+
+class ServingStartError(RuntimeError):
+    """The engine or the gateway did not come up."""
+
+
+class ServingService:
+    def __init__(self, engine: EngineSettings, gateway: GatewaySettings, *, kafka_bootstrap: str, redis_url: str,
+                 listen_adapter_events: bool = True):
+        self.engine_settings, self.gateway_settings = engine, gateway
+        self.kafka_bootstrap, self.redis_url = kafka_bootstrap, redis_url
+        self.listen_adapter_events = listen_adapter_events
+        self.gateway: Gateway | None = None
+        self.port: int | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL for OpenAI clients (`.../v1`)."""
+        return f"http://{self.gateway_settings.host}:{self.port}/v1"
+
+    def start(self, timeout_s: float | None = None) -> "ServingService":
+        timeout_s = timeout_s or self.engine_settings.start_timeout_s + 30
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="serving", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self._error is not None:
+            self.stop()
+            raise ServingStartError(f"serving did not start within {timeout_s} s") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def call(self, coro, timeout_s: float = 120):
+        """Run a coroutine on the service's loop from another thread (tests, admin tools)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        es, gs = self.engine_settings, self.gateway_settings
+        registry = Registry(redis.Redis.from_url(self.redis_url, socket_timeout=5))
+        aliases = AliasTable()
+        engine = EngineManager(es, live_refs=aliases.refs, adapter_wait_s=gs.adapter_wait_s)
+        swapper = HotSwapper(registry, aliases, engine, poll_s=gs.registry_poll_s, refresh_s=gs.tenant_refresh_s,
+                             drain_timeout_s=gs.drain_timeout_s)
+        logger = InteractionLogger(lambda: EventProducer(self.kafka_bootstrap, timeout_s=gs.kafka_timeout_s),
+                                   DiskSpool(gs.spool_dir), ack_timeout_s=gs.kafka_timeout_s).start()
+        listener = None
+        try:
+            await engine.start()
+            swapper.start()
+            if self.listen_adapter_events:
+                listener = AdapterEventListener(self.kafka_bootstrap, swapper, self.loop)
+                listener.start()
+            self.gateway = Gateway(gs, registry, engine, swapper, logger,
+                                   TenantQuota(gs.tenant_concurrency, gs.tenant_rate_per_s, gs.tenant_burst))
+            config = uvicorn.Config(create_app(self.gateway), host=gs.host, port=gs.port, log_level="warning",
+                                    lifespan="off", timeout_graceful_shutdown=5)
+            self._server = uvicorn.Server(config)
+            serve = asyncio.create_task(self._server.serve())
+            while not self._server.started and not serve.done():
+                await asyncio.sleep(0.05)
+            if serve.done():
+                serve.result()
+                raise ServingStartError(f"gateway did not start on {gs.host}:{gs.port}")
+            self.port = self._server.servers[0].sockets[0].getsockname()[1]
+            log.info("gateway listening on %s", self.url)
+            self._ready.set()
+            await serve
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            self._ready.set()
+            if listener is not None:
+                await asyncio.to_thread(listener.stop)
+            await swapper.stop()
+            await engine.stop()
+            await asyncio.to_thread(logger.stop)
+
+
+def run_serving(engine: EngineSettings, gateway: GatewaySettings, kafka_bootstrap: str, redis_url: str,
+                stop_event: threading.Event) -> None:
+    """Run engine + gateway until `stop_event` is set (the `clora up` entry point)."""
+    svc = ServingService(engine, gateway, kafka_bootstrap=kafka_bootstrap, redis_url=redis_url).start()
+    try:
+        stop_event.wait()
+    finally:
+        svc.stop()

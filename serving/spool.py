@@ -1,0 +1,103 @@
+"""A local, append-only, fsync'd spool of Kafka records the broker did not take.
+
+Layout in `dir`: `spool.jsonl` (one `{"topic", "key", "value"}` record per line) and
+`spool.offset` (byte offset up to which records were acknowledged by the broker). A record
+is durable once `append` returns. `pending()` yields what is left; `ack(offset)` moves the
+offset (written to a temp file, fsync'd, renamed) and, once everything was sent, empties both
+files. Delivery is at least once: a crash between a send and its ack resends the record, and
+consumers de-duplicate on the event id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SpooledRecord:
+    topic: str
+    key: str
+    value: str
+    end: int
+    """Byte offset just past this record's line: `ack(end)` marks it (and all before) sent."""
+
+
+class DiskSpool:
+    def __init__(self, dir: Path | str):
+        self.dir = Path(dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.data = self.dir / "spool.jsonl"
+        self.offset_file = self.dir / "spool.offset"
+        self._fh = open(self.data, "ab")
+        size = self._fh.tell()
+        self._offset = self._read_offset()
+        if self._offset > size:  # crashed between truncating the data and resetting the offset
+            self._write_offset(0)
+
+    def _read_offset(self) -> int:
+        try:
+            return int(self.offset_file.read_text().strip() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _write_offset(self, offset: int) -> None:
+        tmp = self.offset_file.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(offset))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.offset_file)
+        self._offset = offset
+
+    def append(self, records: list[tuple[str, str, str]]) -> None:
+        """Durably append (topic, key, value) records: they survive a crash once this returns."""
+        if not records:
+            return
+        lines = b"".join(json.dumps({"topic": t, "key": k, "value": v}).encode() + b"\n" for t, k, v in records)
+        self._fh.write(lines)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def size(self) -> int:
+        return self._fh.tell()
+
+    def empty(self) -> bool:
+        return self._offset >= self.size()
+
+    def pending(self, limit: int = 1000) -> list[SpooledRecord]:
+        """Up to `limit` unsent records, oldest first."""
+        out: list[SpooledRecord] = []
+        with open(self.data, "rb") as f:
+            f.seek(self._offset)
+            pos = self._offset
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a torn last line from a crash mid-write: never acknowledged, skip
+                pos += len(line)
+                rec = json.loads(line)
+                out.append(SpooledRecord(rec["topic"], rec["key"], rec["value"], pos))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def count(self) -> int:
+        """Records not yet acknowledged (reads the file: for tests and metrics)."""
+        with open(self.data, "rb") as f:
+            f.seek(self._offset)
+            return sum(1 for line in f if line.endswith(b"\n"))
+
+    def ack(self, end: int) -> None:
+        """Mark every record before byte `end` as delivered; empty the spool when all are."""
+        if end >= self.size():
+            self._fh.truncate(0)
+            self._fh.seek(0)
+            os.fsync(self._fh.fileno())
+            self._write_offset(0)
+        else:
+            self._write_offset(end)
+
+    def close(self) -> None:
+        self._fh.close()

@@ -1,0 +1,199 @@
+"""The official openai client against the running gateway: chat, streaming, tool calls,
+completions, model listing, every error case, and the interaction event each completion logs."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.integration
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["oslo", "paris"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_chat_returns_interaction_id_and_logs_event(serving, tenants, client_for, registry, interactions):
+    tenant, key = tenants.create(11)
+    c = client_for(key)
+    r = c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hello"}],
+                                  max_tokens=8, temperature=0)
+    assert r.id.startswith("chatcmpl-")
+    assert r.model == f"{tenant}@v1"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].logprobs is None  # not asked for: stripped
+    assert r.usage.completion_tokens == 8
+    assert registry.interaction_owner(r.id) == tenant
+    ev = interactions([r.id])[r.id]
+    assert ev["tenant"] == tenant and ev["adapter"] == f"{tenant}@v1" and ev["adapter_version"] == 1
+    assert ev["messages"] == [{"role": "user", "content": "hello", "name": None, "tool_calls": None,
+                               "tool_call_id": None}]
+    assert ev["response"]["content"] == r.choices[0].message.content
+    assert len(ev["completion_token_ids"]) == 8 == len(ev["completion_logprobs"])
+    assert all(lp <= 0 for lp in ev["completion_logprobs"])
+    assert ev["sampling"]["max_tokens"] == 8 and ev["sampling"]["temperature"] == 0
+    assert ev["latency_ms"] > 0
+
+
+def test_logprobs_when_asked_match_the_event(serving, tenants, client_for, interactions):
+    tenant, key = tenants.create(12)
+    r = client_for(key).chat.completions.create(model=tenant, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    lps = [t.logprob for t in r.choices[0].logprobs.content]
+    assert len(lps) == 5 and all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
+    assert interactions([r.id])[r.id]["completion_logprobs"] == pytest.approx(lps)
+
+
+def test_streaming_chat_matches_non_streaming(serving, tenants, client_for, interactions):
+    tenant, key = tenants.create(13)
+    c = client_for(key)
+    msgs = [{"role": "user", "content": "stream please"}]
+    whole = c.chat.completions.create(model=tenant, messages=msgs, max_tokens=12, temperature=0)
+    chunks = list(c.chat.completions.create(model=tenant, messages=msgs, max_tokens=12, temperature=0, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    ids = {ch.id for ch in chunks}
+    assert len(ids) == 1
+    (rid,) = ids
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(getattr(ch.choices[0], "logprobs", None) is None for ch in chunks if ch.choices)
+    ev = interactions([rid])[rid]
+    assert ev["response"]["content"] == text and len(ev["completion_token_ids"]) == 12
+    assert len(ev["completion_logprobs"]) == 12
+
+
+def test_tool_calls_pass_through(serving, tenants, client_for, interactions):
+    tenant, key = tenants.create(14)
+    r = client_for(key).chat.completions.create(
+        model=tenant, messages=[{"role": "user", "content": "weather in Oslo?"}], tools=[WEATHER_TOOL],
+        tool_choice="required", max_tokens=400, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    ev = interactions([r.id])[r.id]
+    assert ev["tools"] == [WEATHER_TOOL]
+    assert ev["response"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    # The tool result goes back in as a tool message and the conversation continues.
+    call = choice.message.tool_calls[0]
+    r2 = client_for(key).chat.completions.create(model=tenant, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    assert r2.choices[0].message.content is not None
+
+
+def test_completions_and_n(serving, tenants, client_for, interactions):
+    tenant, key = tenants.create(15)
+    c = client_for(key)
+    r = c.completions.create(model=tenant, prompt="Once upon", max_tokens=6, temperature=0)
+    assert r.id.startswith("cmpl-") and r.choices[0].text and r.choices[0].logprobs is None
+    ev = interactions([r.id])[r.id]
+    assert ev["messages"][0]["content"] == "Once upon" and len(ev["completion_token_ids"]) == 6
+    rn = c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hi"}], n=3,
+                                   max_tokens=4, temperature=1.0, seed=1)
+    assert len(rn.choices) == 3
+    evs = interactions([f"{rn.id}-{i}" for i in range(3)])
+    assert len(evs) == 3 and {e["group_id"] for e in evs.values()} == {rn.id}
+
+
+def test_stop_and_base_model(serving, tenants, client_for):
+    tenant, key = tenants.create(11)
+    c = client_for(key)
+    base = c.chat.completions.create(model="base", messages=[{"role": "user", "content": "q"}], max_tokens=10,
+                                     temperature=0)
+    text = base.choices[0].message.content
+    assert base.model == "base" and len(text) >= 3
+    stop = text[2]
+    cut = c.chat.completions.create(model="base", messages=[{"role": "user", "content": "q"}], max_tokens=10,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_models_lists_only_callers_models(serving, tenants, client_for):
+    a, key_a = tenants.create(11, 12)
+    b, _ = tenants.create(13)
+    ids = [m.id for m in client_for(key_a).models.list()]
+    assert ids == ["base", a, f"{a}@v1", f"{a}@v2"]
+    assert b not in " ".join(ids)
+    assert client_for(key_a).models.retrieve(f"{a}@v1").id == f"{a}@v1"
+    with pytest.raises(openai.NotFoundError):
+        client_for(key_a).models.retrieve(b)
+
+
+def test_pinned_version_serves_that_version(serving, tenants, client_for):
+    tenant, key = tenants.create(11, 12)  # v1 = seed 11, v2 = seed 12 (live)
+    other, key_o = tenants.create(11)
+    c = client_for(key)
+    msgs = [{"role": "user", "content": "pin"}]
+    ask = lambda cl, m: cl.chat.completions.create(model=m, messages=msgs, max_tokens=10, temperature=0)  # noqa: E731
+    v1, live = ask(c, f"{tenant}@v1"), ask(c, tenant)
+    assert v1.model == f"{tenant}@v1" and live.model == f"{tenant}@v2"
+    assert v1.choices[0].message.content == ask(client_for(key_o), other).choices[0].message.content  # same weights
+    assert v1.choices[0].message.content != live.choices[0].message.content
+
+
+def test_isolation_other_tenants_model_is_not_found(serving, tenants, client_for):
+    a, key_a = tenants.create(11)
+    b, key_b = tenants.create(12)
+    c = client_for(key_a)
+    for model in (b, f"{b}@v1", "no-such-model", f"{a}@v9"):
+        with pytest.raises(openai.NotFoundError) as e:
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert e.value.code == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model=b, prompt="x", max_tokens=2)
+    assert b not in [m.id for m in c.models.list()]
+
+
+def test_auth_and_validation_errors(serving, tenants, client_for):
+    tenant, key = tenants.create(11)
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.AuthenticationError) as e:
+        client_for("clk_nope_bad").chat.completions.create(model=tenant, messages=msgs, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client_for("clk_nope_bad").models.list()
+    c = client_for(key)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tenant, messages=msgs, max_tokens=10**6)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tenant, messages=[], max_tokens=2)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "x" * 2_000_000}], max_tokens=2)
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+    # Beyond the model's context: vLLM's 400, passed through in OpenAI's shape.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "y" * 3000}], max_tokens=2)
+    assert isinstance(e.value.body, dict) and e.value.body.get("message")
+
+
+def test_concurrency_quota_answers_429(serving, tenants, client_for):
+    tenant, key = tenants.create(11)
+    limit = serving.gateway_settings.tenant_concurrency
+
+    def one(_):
+        try:
+            client_for(key).completions.create(model="base", prompt="go", max_tokens=40, temperature=0)
+            return 200
+        except openai.RateLimitError as e:
+            assert e.code == "rate_limit_exceeded"
+            assert e.response.headers.get("retry-after")
+            return 429
+
+    with cf.ThreadPoolExecutor(limit + 6) as pool:
+        codes = list(pool.map(one, range(limit + 6)))
+    assert codes.count(429) >= 1 and codes.count(200) >= limit // 2
+    # Once the burst is over the tenant is served again.
+    assert client_for(key).completions.create(model="base", prompt="go", max_tokens=2).choices
+
+
+def test_health_endpoint(serving):
+    r = httpx.get(serving.url.removesuffix("/v1") + "/health")
+    assert r.status_code == 200 and r.json()["healthy_replicas"] == 1
