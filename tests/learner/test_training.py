@@ -89,7 +89,7 @@ def test_rl_moves_probability_to_rewarded_completions(tiny):
     assert losses[0] == pytest.approx(0.0, abs=1e-5)  # ratio 1 and zero-mean advantages
     # Rewarded ratios rise to the clip (1.2), unrewarded fall to it (0.8): the surrogate's floor
     # with advantages +-1 is (-1.2 + 0.8) / 2 = -0.2, where the clipped tokens stop the gradient.
-    assert losses[-1] == pytest.approx(-0.2, abs=0.02) and losses[2] < losses[1] < losses[0]
+    assert losses[1] < losses[0] and losses[-1] == pytest.approx(-0.2, abs=0.02) and min(losses) > -0.2 - 1e-4
     assert tr.eval_loss("acme", samples, policy) < good_nll_before - 0.5
 
 
