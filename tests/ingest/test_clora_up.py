@@ -1,0 +1,51 @@
+"""`clora up` as a user runs it: the whole ingest platform comes up, the CLI creates a
+tenant, feedback is accepted, Ctrl-C (SIGTERM) stops every process it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from clora.infra.supervisor import free_port, port_open
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_clora_up_runs_and_stops_cleanly(tmp_path, wait_for):
+    ports = {k: free_port() for k in ("CLORA_BROKER_PORT", "CLORA_REDIS_PORT", "CLORA_WEBHOOK_PORT",
+                                      "CLORA_INGEST_METRICS_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
+    env.update({k: str(v) for k, v in ports.items()}, CLORA_DATA_DIR=str(tmp_path / "data"))
+    clora = [sys.executable, "-m", "clora.infra.cli"]
+    up = subprocess.Popen([*clora, "up"], env=env, stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: port_open("127.0.0.1", ports["CLORA_INGEST_METRICS_PORT"]) or up.poll() is not None,
+                 timeout=90, what="clora up to start everything")
+        assert up.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        out = subprocess.run([*clora, "tenant", "create", "acme", "--json"], env=env, capture_output=True,
+                             text=True, check=True)
+        key = json.loads(out.stdout)["api_key"]
+        listing = subprocess.run([*clora, "tenant", "list"], env=env, capture_output=True, text=True, check=True)
+        assert "acme" in listing.stdout and key not in listing.stdout
+        r = httpx.post(f"http://127.0.0.1:{ports['CLORA_WEBHOOK_PORT']}/v1/feedback",
+                       headers={"Authorization": f"Bearer {key}"}, json={"interaction_id": "x", "score": 1.0})
+        assert r.status_code == 202, r.text
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= 4                   # broker, redis, webhook, ingest worker
+        summary = (tmp_path / "up.log").read_text()
+        assert "clora is up" in summary and "logs" in summary
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    assert up.returncode == 0
+    time.sleep(0.5)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert (tmp_path / "data" / "redis" / "appendonlydir").exists() or list((tmp_path / "data" / "redis").glob("*.aof"))
