@@ -28,3 +28,27 @@ def rl(tenant: str, i: int, question: str, answer: str, reward: float, group: st
 
 def sft_set(tenant: str, answer: str, n: int = 4) -> list[SFTExample]:
     return [sft(tenant, i, f"q{i}?", answer) for i in range(n)]
+
+
+class FakeRegistry:
+    """In-memory stand-in for clora.infra.registry.Registry (the parts the learner uses)."""
+
+    def __init__(self, tenants=()):
+        self.tenants = {t.id: t for t in tenants}
+        self.versions: dict[str, dict[int, object]] = {}
+        self.live: dict[str, int | None] = {}
+
+    def list_tenants(self):
+        return list(self.tenants.values())
+
+    def record_adapter_version(self, tenant_id, version):
+        self.versions.setdefault(tenant_id, {})[version.version] = version
+
+    def adapter_versions(self, tenant_id):
+        return [self.versions[tenant_id][v] for v in sorted(self.versions.get(tenant_id, {}))]
+
+    def set_live_version(self, tenant_id, version):
+        self.live[tenant_id] = version
+
+    def live_version(self, tenant_id):
+        return self.live.get(tenant_id)

@@ -1,0 +1,148 @@
+"""Publishing adapter versions: versioned folders, atomically, recorded and announced.
+
+Layout: `<adapters_dir>/<tenant>/v<N>/` holds `adapter_config.json`,
+`adapter_model.safetensors` and `clora_metadata.json` (base model, step, examples seen, eval
+scores, parent version). A version is written under `.tmp-v<N>-<random>` in the same folder,
+fsynced, then renamed to `v<N>`: a reader (vLLM, a restarted learner) sees a complete
+version or none. A version folder is never overwritten; version numbers only grow (the next
+one is above every number in the registry AND on disk, so an orphan left by a crash between
+rename and registry write is skipped, not reused). After the rename the version is recorded
+in the registry, made live, and an `AdapterEvent` is announced through the injected
+`announce` callable (a Kafka producer in the learner process, a list in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from clora.infra.registry import AdapterVersion
+from clora.ingest.schemas import AdapterEvent
+from clora.learner.lora import LoraLayout
+from clora.learner.peft_io import read_adapter, write_adapter
+
+METADATA_FILE = "clora_metadata.json"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+class RegistryLike(Protocol):
+    def record_adapter_version(self, tenant_id: str, version: AdapterVersion) -> None: ...
+    def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]: ...
+    def set_live_version(self, tenant_id: str, version: int | None) -> None: ...
+    def live_version(self, tenant_id: str) -> int | None: ...
+
+
+def served_name(tenant: str, version: int) -> str:
+    """The name vLLM serves a version under: a new name per version (no stale prefix cache)."""
+    return f"{tenant}@v{version}"
+
+
+class Publisher:
+    def __init__(self, adapters_dir: Path | str, registry: RegistryLike, announce: Callable[[AdapterEvent], None],
+                 base_model: str, layout: LoraLayout):
+        self.root = Path(adapters_dir)
+        self.registry = registry
+        self.announce = announce
+        self.base_model = base_model
+        self.layout = layout
+
+    def tenant_dir(self, tenant: str) -> Path:
+        return self.root / tenant
+
+    def versions_on_disk(self, tenant: str) -> list[int]:
+        d = self.tenant_dir(tenant)
+        if not d.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.match(p.name)))
+
+    def next_version(self, tenant: str) -> int:
+        known = self.versions_on_disk(tenant) + [v.version for v in self.registry.adapter_versions(tenant)]
+        return max(known, default=0) + 1
+
+    def clean_partial(self, tenant: str) -> list[Path]:
+        """Remove temporary folders a crash left behind (never visible as versions)."""
+        d = self.tenant_dir(tenant)
+        removed = [p for p in d.glob(".tmp-*")] if d.is_dir() else []
+        for p in removed:
+            shutil.rmtree(p)
+        return removed
+
+    def publish(self, tenant: str, flat: torch.Tensor, *, step: int, examples_seen: int,
+                eval_scores: dict[str, float], parent_version: int | None = None,
+                feedback_window: tuple[float, float] | None = None) -> AdapterVersion:
+        """Write, record, make live and announce a new version of `tenant`'s adapter."""
+        version = self.next_version(tenant)
+        d = self.tenant_dir(tenant)
+        d.mkdir(parents=True, exist_ok=True)
+        final, tmp = d / f"v{version}", d / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+        meta = AdapterVersion(version=version, path=str(final.resolve()), base_model=self.base_model,
+                              parent_version=parent_version, step=step, examples_seen=examples_seen,
+                              eval_scores=eval_scores, feedback_window=feedback_window)
+        try:
+            tmp.mkdir()
+            write_adapter(tmp, self.layout, flat, self.base_model)
+            (tmp / METADATA_FILE).write_text(meta.model_dump_json(indent=2))
+            _fsync(tmp / METADATA_FILE)
+            _fsync(tmp)
+            if final.exists():
+                raise PublishError(f"version folder {final} already exists; versions are never overwritten")
+            os.rename(tmp, final)
+            _fsync(d)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PublishError(f"publishing {tenant} v{version} to {final} failed") from e
+        self.registry.record_adapter_version(tenant, meta)
+        self.registry.set_live_version(tenant, version)
+        self.announce(AdapterEvent(tenant=tenant, action="published", version=version, path=meta.path,
+                                   base_model=self.base_model, parent_version=parent_version,
+                                   metrics={k: float(v) for k, v in eval_scores.items()}))
+        return meta
+
+    def rollback(self, tenant: str, to_version: int | None = None) -> AdapterVersion:
+        """Make an earlier version live: `to_version`, or the one before the live one."""
+        versions = {v.version: v for v in self.registry.adapter_versions(tenant)}
+        live = self.registry.live_version(tenant)
+        if to_version is None:
+            older = [v for v in versions if live is None or v < live]
+            if not older:
+                raise PublishError(f"{tenant} has no version older than live v{live} to roll back to")
+            to_version = max(older)
+        if to_version not in versions:
+            raise PublishError(f"{tenant} has no recorded version v{to_version} (known: {sorted(versions)})")
+        target = versions[to_version]
+        read_adapter(Path(target.path), self.layout)  # refuse to make a missing/broken folder live
+        self.registry.set_live_version(tenant, to_version)
+        self.announce(AdapterEvent(tenant=tenant, action="rolled_back", version=to_version, path=target.path,
+                                   base_model=self.base_model, parent_version=target.parent_version,
+                                   metrics={"rolled_back_from": float(live) if live is not None else -1.0}))
+        return target
+
+    def live_weights(self, tenant: str) -> tuple[int, torch.Tensor] | None:
+        """(version, flat weights) of the live version, or None when nothing is live."""
+        live = self.registry.live_version(tenant)
+        if live is None:
+            return None
+        return live, read_adapter(self.tenant_dir(tenant) / f"v{live}", self.layout)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_metadata(folder: Path) -> AdapterVersion:
+    return AdapterVersion.model_validate(json.loads((Path(folder) / METADATA_FILE).read_text()))

@@ -1,0 +1,131 @@
+"""Publishing: versioned atomic folders, registry + announcement, rollback, crash safety, gate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from clora.learner import peft_io
+from clora.learner.evaluate import gate, is_held_out
+from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.peft_io import read_adapter
+from clora.learner.publish import Publisher, PublishError, read_metadata
+
+from .helpers import FakeRegistry
+
+
+@pytest.fixture()
+def pub(tiny, tmp_path):
+    model, _ = tiny
+    lm = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    events = []
+    p = Publisher(tmp_path / "adapters", FakeRegistry(), events.append, "tiny-base", lm.layout)
+    return p, events
+
+
+def _flat(p: Publisher, seed: int) -> torch.Tensor:
+    return torch.randn(p.layout.numel, generator=torch.Generator().manual_seed(seed))
+
+
+def test_publish_writes_records_and_announces(pub):
+    p, events = pub
+    v1 = p.publish("acme", _flat(p, 1), step=3, examples_seen=24, eval_scores={"eval_loss": 1.5})
+    v2 = p.publish("acme", _flat(p, 2), step=6, examples_seen=48, eval_scores={"eval_loss": 1.2}, parent_version=1)
+    assert (v1.version, v2.version) == (1, 2)
+    folder = p.tenant_dir("acme") / "v2"
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors", "clora_metadata.json"]
+    meta = read_metadata(folder)
+    assert (meta.step, meta.examples_seen, meta.parent_version, meta.base_model) == (6, 48, 1, "tiny-base")
+    assert meta.eval_scores == {"eval_loss": 1.2}
+    assert torch.equal(read_adapter(folder, p.layout), _flat(p, 2))
+    assert p.registry.live_version("acme") == 2 and [v.version for v in p.registry.adapter_versions("acme")] == [1, 2]
+    assert [(e.action, e.version, e.path) for e in events] == [("published", 1, v1.path), ("published", 2, v2.path)]
+
+
+def test_rollback_makes_earlier_version_live(pub):
+    p, events = pub
+    for i in range(3):
+        p.publish("acme", _flat(p, i), step=i, examples_seen=i, eval_scores={}, parent_version=i or None)
+    assert p.rollback("acme").version == 2
+    assert p.registry.live_version("acme") == 2
+    assert p.rollback("acme", 1).version == 1 and p.registry.live_version("acme") == 1
+    assert [e.action for e in events][-2:] == ["rolled_back", "rolled_back"]
+    live_v, w = p.live_weights("acme")
+    assert live_v == 1 and torch.equal(w, _flat(p, 0))
+    with pytest.raises(PublishError, match="no recorded version v9"):
+        p.rollback("acme", 9)
+    # publishing after a rollback never reuses a number
+    assert p.publish("acme", _flat(p, 5), step=9, examples_seen=9, eval_scores={}).version == 4
+
+
+def test_failure_mid_write_leaves_no_visible_version(pub, monkeypatch):
+    p, events = pub
+    p.publish("acme", _flat(p, 1), step=1, examples_seen=1, eval_scores={})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr("clora.learner.publish.write_adapter", boom)
+    with pytest.raises(PublishError, match="acme v2") as e:
+        p.publish("acme", _flat(p, 2), step=2, examples_seen=2, eval_scores={})
+    assert isinstance(e.value.__cause__, OSError)
+    assert sorted(os.listdir(p.tenant_dir("acme"))) == ["v1"]
+    assert p.registry.live_version("acme") == 1 and len(events) == 1
+    assert torch.equal(p.live_weights("acme")[1], _flat(p, 1))
+
+
+def test_process_killed_mid_publish_leaves_live_version_loadable(pub, tiny_model_dir, tmp_path):
+    """A real kill (os._exit) between writing the weights and the rename."""
+    p, _ = pub
+    root = p.root
+    script = textwrap.dedent(f"""
+        import os, torch
+        from clora.learner import peft_io
+        from clora.learner.base_model import load_base_model
+        from clora.learner.lora import LoraModel, LoraSpec
+        from clora.learner.publish import Publisher
+        from tests.learner.helpers import FakeRegistry
+        lm = LoraModel(load_base_model({str(tiny_model_dir)!r})[0], LoraSpec(rank=4, alpha=8))
+        p = Publisher({str(root)!r}, FakeRegistry(), print, "tiny-base", lm.layout)
+        p.publish("acme", torch.ones(lm.layout.numel), step=1, examples_seen=1, eval_scores={{}})
+        real = peft_io.write_adapter
+        def dies(folder, *a):
+            real(folder, *a)
+            os._exit(9)   # killed after the files are written, before the rename
+        import clora.learner.publish as pub
+        pub.write_adapter = dies
+        p.publish("acme", torch.zeros(lm.layout.numel), step=2, examples_seen=2, eval_scores={{}})
+    """)
+    r = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    names = sorted(os.listdir(root / "acme"))
+    assert len(names) == 2 and names[0].startswith(".tmp-v2-") and names[1] == "v1"
+    assert p.versions_on_disk("acme") == [1]
+    assert torch.equal(read_adapter(root / "acme" / "v1", p.layout), torch.ones(p.layout.numel))
+    assert p.clean_partial("acme") and os.listdir(root / "acme") == ["v1"]
+
+
+def test_orphan_folder_is_skipped_not_reused(pub):
+    p, _ = pub
+    (p.tenant_dir("acme") / "v3").mkdir(parents=True)  # renamed, then crashed before the registry write
+    assert p.publish("acme", _flat(p, 1), step=1, examples_seen=1, eval_scores={}).version == 4
+
+
+def test_gate_publishes_within_tolerance_only():
+    assert gate(1.0, None, 0.02).publish
+    assert gate(1.01, 1.0, 0.02).publish
+    assert not gate(1.05, 1.0, 0.02).publish
+    assert "worse than live" in gate(1.05, 1.0, 0.02).reason
+    assert not gate(float("nan"), 1.0, 0.02).publish
+
+
+def test_held_out_split_is_stable_and_about_the_fraction():
+    ids = [f"ex-{i}" for i in range(2000)]
+    held = [i for i in ids if is_held_out(i, 0.1)]
+    assert 150 < len(held) < 250
+    assert held == [i for i in ids if is_held_out(i, 0.1)]
+    assert not any(is_held_out(i, 0.0) for i in ids)
