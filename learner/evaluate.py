@@ -1,23 +1,13 @@
-"""The evaluation gate: which examples are held out, and whether a candidate may be published.
+"""The evaluation gate: whether a candidate adapter version may be published.
 
-Held-out examples are chosen by a stable hash of their `example_id` (`is_held_out`), so the
-same example is held out on every learner and after every restart, and is never trained on.
-`gate` compares the candidate's held-out loss with the live version's on the same examples:
+Held-out examples come from the replay buffer (`ReplayBuffer.heldout`: a stable hash of the
+example id keeps them out of training). `gate` compares the candidate's held-out loss with the live version's on the same examples:
 publish unless the candidate is worse than live by more than `tolerance` (relative).
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-
-
-def is_held_out(example_id: str, fraction: float) -> bool:
-    """Deterministic split: True for about `fraction` of ids."""
-    if fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.blake2b(example_id.encode(), digest_size=8).digest(), "big")
-    return h / 2**64 < fraction
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from clora.learner import peft_io
-from clora.learner.evaluate import gate, is_held_out
+from clora.learner.evaluate import gate
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.peft_io import read_adapter
 from clora.learner.publish import Publisher, PublishError, read_metadata
@@ -84,8 +83,7 @@ def test_process_killed_mid_publish_leaves_live_version_loadable(pub, tiny_model
     root = p.root
     script = textwrap.dedent(f"""
         import os, torch
-        from clora.learner import peft_io
-        from clora.learner.base_model import load_base_model
+                from clora.learner.base_model import load_base_model
         from clora.learner.lora import LoraModel, LoraSpec
         from clora.learner.publish import Publisher
         from tests.learner.helpers import FakeRegistry
@@ -121,11 +119,3 @@ def test_gate_publishes_within_tolerance_only():
     assert not gate(1.05, 1.0, 0.02).publish
     assert "worse than live" in gate(1.05, 1.0, 0.02).reason
     assert not gate(float("nan"), 1.0, 0.02).publish
-
-
-def test_held_out_split_is_stable_and_about_the_fraction():
-    ids = [f"ex-{i}" for i in range(2000)]
-    held = [i for i in ids if is_held_out(i, 0.1)]
-    assert 150 < len(held) < 250
-    assert held == [i for i in ids if is_held_out(i, 0.1)]
-    assert not any(is_held_out(i, 0.0) for i in ids)

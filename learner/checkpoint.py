@@ -1,0 +1,75 @@
+"""Per-tenant checkpoints of the full training state, written atomically.
+
+One file per tenant, `<checkpoints_dir>/<tenant>.safetensors`: tensors `buffer` (4, P) and
+`rng_state`, and every scalar of `AdapterState` (step, cursor, examples seen, extras) as
+JSON in the safetensors metadata. Written to a temporary name, fsynced, then `os.replace`d:
+a crash leaves the previous checkpoint or the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+
+from clora.learner.adapter_store import AdapterState
+
+SUFFIX = ".safetensors"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_path(root: Path | str, tenant: str) -> Path:
+    return Path(root) / f"{tenant}{SUFFIX}"
+
+
+def save_checkpoint(root: Path | str, state: AdapterState, layout_numel: int) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(root, state.tenant)
+    tmp = root / f".tmp-{state.tenant}-{uuid.uuid4().hex[:8]}{SUFFIX}"
+    meta = {"tenant": state.tenant, "seed": state.seed, "step": state.step, "micro_steps": state.micro_steps,
+            "examples_seen": state.examples_seen, "cursor": state.cursor, "numel": layout_numel,
+            "extras": state.extras}
+    try:
+        save_file({"buffer": state.buffer.contiguous(), "rng_state": state.rng_state},
+                  tmp, metadata={"clora_state": json.dumps(meta)})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except (OSError, TypeError, ValueError) as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"checkpointing {state.tenant} (step {state.step}) to {final} failed") from e
+    return final
+
+
+def load_checkpoint(path: Path | str, layout_numel: int) -> AdapterState:
+    path = Path(path)
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads(f.metadata()["clora_state"])
+        tensors = load_file(path)
+    except (OSError, KeyError, ValueError, SafetensorError) as e:
+        raise CheckpointError(f"reading checkpoint {path} failed") from e
+    if meta["numel"] != layout_numel:
+        raise CheckpointError(f"checkpoint {path} holds {meta['numel']} LoRA parameters, the learner's layout "
+                              f"has {layout_numel} (rank/targets/base model changed?)")
+    return AdapterState(tenant=meta["tenant"], seed=meta["seed"], buffer=tensors["buffer"],
+                        rng_state=tensors["rng_state"], step=meta["step"], micro_steps=meta["micro_steps"],
+                        examples_seen=meta["examples_seen"], cursor=meta["cursor"], extras=meta["extras"])
+
+
+def list_checkpoints(root: Path | str) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(f"*{SUFFIX}") if not p.name.startswith(".tmp-"))

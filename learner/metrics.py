@@ -1,0 +1,25 @@
+"""Prometheus metrics of the learner (scheduler decisions, step times, swaps, publishes).
+
+Metrics live in an injected `CollectorRegistry` (the process passes the default one and
+serves it over HTTP; tests pass a fresh one), so several learners can coexist in one test.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class LearnerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.decisions = Counter("clora_learner_decisions", "Scheduler decisions", ["tenant", "reason"], registry=r)
+        self.waiting = Gauge("clora_learner_waiting_examples", "New examples waiting per tenant", ["tenant"], registry=r)
+        self.steps = Counter("clora_learner_steps", "Optimizer steps", ["tenant", "algorithm"], registry=r)
+        self.step_seconds = Histogram("clora_learner_step_seconds", "Wall time of one optimizer step", ["tenant"],
+                                      buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.tokens = Counter("clora_learner_tokens", "Target tokens trained on", ["tenant"], registry=r)
+        self.loss = Gauge("clora_learner_loss", "Training loss of the last step", ["tenant"], registry=r)
+        self.swap_exposed = Counter("clora_learner_swap_exposed_seconds", "Swap time not hidden by prefetch", registry=r)
+        self.publishes = Counter("clora_learner_publishes", "Evaluation gate outcomes", ["tenant", "outcome"], registry=r)
+        self.eval_loss = Gauge("clora_learner_eval_loss", "Held-out loss of the last candidate", ["tenant"], registry=r)
