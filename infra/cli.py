@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from clora.infra.settings import IngestSettings, PlatformSettings, WebhookSettings
+from clora.infra.settings import ConsoleSettings, IngestSettings, PlatformSettings, WebhookSettings
 
 app = typer.Typer(help="clora: continuous learning for LLM agents", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -126,6 +126,21 @@ def webhook(log_level: str = "INFO"):
     bootstrap, redis_url = _urls()
     os.environ.update(CLORA_KAFKA_BOOTSTRAP=bootstrap, CLORA_REDIS_URL=redis_url)  # for the factory
     uvicorn.run("clora.ingest.webhook:app_from_env", factory=True, host=s.host, port=s.port, workers=s.workers,
+                log_level=log_level.lower(), access_log=False)
+
+
+@app.command("console")
+def console_service(log_level: str = "INFO"):
+    """Run the control-plane API and the tenant admin console (HTTP)."""
+    import uvicorn
+
+    from clora.infra.control import build, load_admin_token
+
+    _logging(log_level)
+    s, platform = ConsoleSettings(), PlatformSettings()
+    bootstrap, redis_url = _urls()
+    token = load_admin_token(platform.data_dir, platform.admin_token)
+    uvicorn.run(build(bootstrap, redis_url, token, IngestSettings().group_id), host=s.host, port=s.port,
                 log_level=log_level.lower(), access_log=False)
 
 

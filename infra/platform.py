@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from clora.infra.settings import BrokerSettings, IngestSettings, PlatformSettings, WebhookSettings
+from clora.infra.control import load_admin_token
+from clora.infra.settings import BrokerSettings, ConsoleSettings, IngestSettings, PlatformSettings, WebhookSettings
 from clora.infra.stack import LocalStack
 from clora.infra.supervisor import ManagedProcess, port_open
 from clora.ingest.producer import ensure_topics
@@ -35,6 +36,7 @@ class Platform:
 
     def start(self) -> "Platform":
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        load_admin_token(self.settings.data_dir, self.settings.admin_token)   # create it once, before children
         self.stack = LocalStack(platform=self.settings).start()
         try:
             ensure_topics(self.stack.kafka_bootstrap, BrokerSettings().partitions)
@@ -43,6 +45,8 @@ class Platform:
             logs = self.settings.logs_dir
             wh = WebhookSettings()
             self._add(service_process("webhook", ["webhook"], env, logs, lambda: port_open(wh.host, wh.port)))
+            con = ConsoleSettings()
+            self._add(service_process("console", ["console"], env, logs, lambda: port_open(con.host, con.port)))
             for i in range(IngestSettings().workers):
                 worker_env = env if i == 0 else {**env, "CLORA_INGEST_METRICS_PORT": "0"}
                 self._add(service_process(f"ingest-{i}", ["ingest-worker", "--client-id", f"clora-ingest-{i}"],
@@ -75,5 +79,12 @@ class Platform:
         console.print(f"  feedback webhook  http://{wh.host}:{wh.port}/v1/feedback  (OpenAPI: /docs)")
         if ing.metrics_port:
             console.print(f"  ingest metrics    http://127.0.0.1:{ing.metrics_port}/metrics")
+        con = ConsoleSettings()
+        token_file = self.settings.data_dir.resolve() / "admin_token"
+        console.print(f"  admin console     http://{con.host}:{con.port}/console/")
+        if self.settings.admin_token:
+            console.print("  admin token       from CLORA_ADMIN_TOKEN")
+        else:
+            console.print(f"  admin token       in {token_file}")
         console.print(f"  logs              {self.settings.logs_dir.resolve()}/")
         console.print("  create a tenant:  clora tenant create acme     (Ctrl-C stops everything)")

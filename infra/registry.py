@@ -10,6 +10,7 @@ Keys (all under `clora:`):
     clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
     clora:tenant:{id}:live             the live version number
     clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
+    clora:tenant:{id}:metrics          list of JSON points (step, loss, reward, eval) for the console
 
 API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
 256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
@@ -31,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from clora.ingest.schemas import validate_tenant_id
 
 PREFIX = "clora:"
+METRICS_HISTORY = 2000
+"""Points of metrics history kept per tenant."""
 
 
 class RegistryError(Exception):
@@ -252,6 +255,19 @@ class Registry:
     def live_version(self, tenant_id: str) -> int | None:
         raw = self.r.get(self._tkey(tenant_id) + ":live")
         return int(raw) if raw is not None else None
+
+    # --- metrics history (written by the learner, read by the console) ----------------------
+
+    def append_metrics(self, tenant_id: str, point: dict[str, float | int | str | None]) -> None:
+        """Append one point ({"time", "step", "loss", "reward", "eval", ...}) to the history."""
+        point = {"time": time.time(), **point}
+        pipe = self.r.pipeline()
+        pipe.rpush(self._tkey(tenant_id) + ":metrics", json.dumps(point))
+        pipe.ltrim(self._tkey(tenant_id) + ":metrics", -METRICS_HISTORY, -1)
+        pipe.execute()
+
+    def metrics_history(self, tenant_id: str, n: int = 500) -> list[dict]:
+        return [json.loads(x) for x in self.r.lrange(self._tkey(tenant_id) + ":metrics", -n, -1)]
 
     @staticmethod
     def _tkey(tenant_id: str) -> str:

@@ -116,3 +116,12 @@ class IngestSettings(BaseSettings):
         if self.session_timeout_ms > self.max_poll_interval_ms * 10:
             raise ValueError("session_timeout_ms must not exceed 10x max_poll_interval_ms")
         return self
+
+
+class ConsoleSettings(BaseSettings):
+    """The control-plane API and the tenant admin console (one HTTP service)."""
+
+    model_config = _config("CLORA_CONSOLE_")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8500, ge=1, le=65535)

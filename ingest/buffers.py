@@ -102,18 +102,22 @@ if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
 return results
 """ % (RECENT_FEEDBACK - 1)
 
-# KEYS: seen, ix, pending ; ARGV: event_id, now, feedback_json, ttl, window
+# KEYS: seen, ix, pending, recent ; ARGV: event_id, now, feedback_json, ttl, window, recent_json
 # Returns -1 when the interaction is there after all (caller retries the direct path).
 _PARK_FEEDBACK = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]), ARGV[1])
+if ARGV[6] ~= '' then
+  redis.call('LPUSH', KEYS[4], ARGV[6])
+  redis.call('LTRIM', KEYS[4], 0, %d)
+end
 local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
 if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
 return 1
-"""
+""" % (RECENT_FEEDBACK - 1)
 
 # KEYS: seen, ix, pending ; ARGV: event_id, now, interaction_json, ttl, window
 # Stores the interaction once; always returns the feedback still parked for it.
@@ -206,12 +210,14 @@ class ReplayBuffer:
         return tkey(tenant, "ix", interaction_id)
 
     def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
-                      *, now: float, pipe=None):
-        """Park feedback whose interaction has not arrived. Result: 1 parked, 0 duplicate,
+                      *, now: float, recent: str = "", pipe=None):
+        """Park feedback whose interaction has not arrived (it shows in the recent list now;
+        its examples come when the interaction does). Result: 1 parked, 0 duplicate,
         -1 the interaction is there (use `add_examples` instead)."""
-        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id)]
+        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id),
+                tkey(tenant, "recent")]
         return self._park(keys=keys, args=[event_id, now, body, self.policy.interaction_ttl_s,
-                                           self.policy.dedup_window], client=pipe or self.r)
+                                           self.policy.dedup_window, recent], client=pipe or self.r)
 
     def add_examples(self, tenant: str, event_id: str, examples: list, *, now: float,
                      recent: str = "", parked_for: str | None = None, capacity: int | None = None,

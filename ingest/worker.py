@@ -35,6 +35,8 @@ from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPI
 log = logging.getLogger(__name__)
 DLQ_RECENT_KEY = "clora:dlq:recent"
 DLQ_RECENT_MAX = 1000
+LAG_KEY = "clora:ingest:lag"
+"""hash per consumer group: "topic:partition" -> lag, refreshed every ~2 s by its members"""
 
 
 @dataclass
@@ -116,11 +118,15 @@ class IngestWorker:
                 self._dlq.close()
 
     def _update_gauges(self, consumer: KafkaConsumer) -> None:
+        lags = {}
         for tp in consumer.assignment():
             high = consumer.highwater(tp)
             committed = consumer.committed(tp) or 0
             if high is not None:
-                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
+                lags[f"{tp.topic}:{tp.partition}"] = max(0, high - committed)
+                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(lags[f"{tp.topic}:{tp.partition}"])
+        if lags:  # for the console, which has no Prometheus of its own
+            self.r.hset(f"{LAG_KEY}:{self.settings.group_id}", mapping=lags)
         for tenant in self.buffers.tenants_with_data():
             for kind in EXAMPLE_KINDS:
                 metrics.BUFFER_DEPTH.labels(tenant, kind).set(self.buffers.depth(tenant, kind))
@@ -177,7 +183,8 @@ class IngestWorker:
         for ix, flat in zip(interactions, parked_lists):
             for i in range(0, len(flat), 2):
                 fb = FeedbackEvent.model_validate_json(flat[i + 1])
-                writes[ix.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), _recent(fb),
+                # no recent-list entry: it was listed when it was parked
+                writes[ix.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), "",
                                                       parked_for=ix.interaction_id))
         if writes:
             pipe = self.r.pipeline(transaction=False)
@@ -210,7 +217,7 @@ class IngestWorker:
         pipe = self.r.pipeline(transaction=False)
         for fb in parked:
             self.buffers.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
-                                       now=now, pipe=pipe)
+                                       now=now, recent=_recent(fb), pipe=pipe)
         for tenant, items in writes.items():
             self.buffers.add_many(tenant, items, now=now, capacity=self._capacity(tenant), pipe=pipe)
         results = pipe.execute()

@@ -145,3 +145,23 @@ def _wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last value: {value!r})")
         time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def console(stack):
+    """The control-plane API + console over real HTTP, with the real broker and Redis."""
+    import redis
+
+    from clora.infra.control import create_control_app
+    from clora.infra.registry import Registry
+    from clora.ingest.buffers import ReplayBuffer
+    from clora.ingest.producer import EventProducer
+
+    client = redis.Redis.from_url(stack.redis_url)
+    producer = EventProducer(stack.kafka_bootstrap)
+    token = "test-admin-" + uuid.uuid4().hex
+    app = create_control_app(Registry(client), ReplayBuffer(client), token, publish=producer.send_sync)
+    with _Server(app) as server:
+        server.token = token
+        yield server
+    producer.close()

@@ -1,0 +1,278 @@
+"""The control-plane JSON API (`/api/...`) and the tenant admin console (`/console/`).
+
+    clora console                     # or as part of `clora up`, which prints the address
+
+Every `/api` route needs `Authorization: Bearer <admin token>` (CLORA_ADMIN_TOKEN, or the
+token `clora up` generates into `<data_dir>/admin_token`). Tenant API keys never open it.
+The console is static HTML/JS/CSS shipped in the package (no CDN) that calls this API.
+
+Routes: tenants (list, create — key shown once —, detail, policy, pause/resume), keys
+(create, rotate, revoke), adapter versions (lineage, promote, roll back), buffers (depth,
+recent examples), recent feedback, DLQ (view, replay one), metrics history.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clora.infra.registry import LearningPolicy, Registry, RegistryError, TenantNotFound
+from clora.ingest.buffers import ReplayBuffer
+from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent, DeadLetter
+from clora.ingest.worker import DLQ_RECENT_KEY, LAG_KEY
+
+STATIC = Path(__file__).parent / "static"
+
+
+class ControlError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+
+class NewTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(description="slug: a-z, 0-9, '_' or '-'")
+    name: str = Field(default="", max_length=200)
+    policy: LearningPolicy | None = None
+
+
+class Rollback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int | None = Field(default=None, ge=0, description="default: the live version's parent")
+
+
+def load_admin_token(data_dir: Path, configured: str | None) -> str:
+    """The configured token, else the one in `<data_dir>/admin_token` (created 0600 if absent)."""
+    if configured:
+        return configured
+    path = data_dir / "admin_token"
+    if path.exists():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    path.touch(mode=0o600)
+    path.write_text(token)
+    return token
+
+
+def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: str, publish=None,
+                       ingest_group: str = "clora-ingest") -> FastAPI:
+    """`publish(topic, key, value_json)` sends adapter events and DLQ replays (None: disabled)."""
+    app = FastAPI(title="clora control plane", version="1")
+    api = APIRouter(prefix="/api")
+
+    @app.exception_handler(ControlError)
+    async def _control_error(_req, e: ControlError):
+        return JSONResponse({"error": {"code": e.code, "message": e.message, "field": e.field}}, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, e: RequestValidationError):
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+        return JSONResponse({"error": {"code": "invalid_request", "message": f"{field}: {first['msg']}",
+                                       "field": field}}, status_code=422)
+
+    def admin(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not token or not hmac.compare_digest(token.encode(), admin_token.encode()):
+            raise ControlError(401, "admin_token_required", "send the admin token as 'Authorization: Bearer <token>'")
+
+    def tenant_or_404(tenant_id: str):
+        try:
+            return registry.get_tenant(tenant_id)
+        except TenantNotFound:
+            raise ControlError(404, "tenant_not_found", f"no tenant {tenant_id!r}") from None
+
+    def summary(t) -> dict[str, Any]:
+        live = registry.live_version(t.id)
+        versions = registry.adapter_versions(t.id)
+        history = registry.metrics_history(t.id, 60)
+        return {
+            "id": t.id, "name": t.name, "paused": t.policy.paused, "algorithm": t.policy.algorithm,
+            "live_version": live, "versions": len(versions),
+            "last_publish": max((v.created_at for v in versions), default=None),
+            "buffer_depth": {k: buffers.depth(t.id, k) for k in EXAMPLE_KINDS},
+            "heldout_depth": {k: buffers.depth(t.id, k, heldout=True) for k in EXAMPLE_KINDS},
+            "reward_trend": [p.get("reward") for p in history if p.get("reward") is not None],
+        }
+
+    def announce(tenant_id: str, action: str, version: int) -> None:
+        if publish is None:
+            return
+        v = registry.adapter_version(tenant_id, version)
+        ev = AdapterEvent(tenant=tenant_id, action=action, version=version, path=v.path, base_model=v.base_model,
+                          parent_version=v.parent_version, metrics=v.eval_scores)
+        publish(TOPIC_ADAPTERS, tenant_id, ev.model_dump_json())
+
+    # --- tenants ------------------------------------------------------------------------
+
+    @api.get("/tenants", dependencies=[Depends(admin)])
+    def list_tenants():
+        lag = registry.r.hgetall(f"{LAG_KEY}:{ingest_group}")
+        return {"tenants": [summary(t) for t in registry.list_tenants()],
+                "consumer_lag": sum(int(v) for v in lag.values()) if lag else None}
+
+    @api.post("/tenants", status_code=201, dependencies=[Depends(admin)])
+    def create_tenant(body: NewTenant):
+        try:
+            tenant, key = registry.create_tenant(body.id, name=body.name, policy=body.policy)
+        except ValidationError as e:
+            raise ControlError(422, "invalid_request", f"id: {e.errors()[0]['msg']}", "id") from e
+        except RegistryError as e:
+            raise ControlError(409, "tenant_exists", str(e), "id") from e
+        return {"tenant": summary(tenant), "api_key": key, "note": "the API key is shown once"}
+
+    @api.get("/tenants/{tenant_id}", dependencies=[Depends(admin)])
+    def get_tenant(tenant_id: str):
+        t = tenant_or_404(tenant_id)
+        return {**summary(t), "policy": t.policy.model_dump(), "signed_feedback": bool(t.signing_secret),
+                "keys": [k.model_dump() for k in registry.list_keys(t.id)]}
+
+    @api.patch("/tenants/{tenant_id}/policy", dependencies=[Depends(admin)])
+    def update_policy(tenant_id: str, changes: dict[str, Any]):
+        tenant_or_404(tenant_id)
+        try:
+            return registry.update_policy(tenant_id, **changes).model_dump()
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ControlError(422, "invalid_policy", f"{field}: {first['msg']}", field) from e
+
+    @api.post("/tenants/{tenant_id}/pause", dependencies=[Depends(admin)])
+    def pause(tenant_id: str):
+        tenant_or_404(tenant_id)
+        return registry.update_policy(tenant_id, paused=True).model_dump()
+
+    @api.post("/tenants/{tenant_id}/resume", dependencies=[Depends(admin)])
+    def resume(tenant_id: str):
+        tenant_or_404(tenant_id)
+        return registry.update_policy(tenant_id, paused=False).model_dump()
+
+    # --- keys ---------------------------------------------------------------------------
+
+    @api.post("/tenants/{tenant_id}/keys", status_code=201, dependencies=[Depends(admin)])
+    def create_key(tenant_id: str):
+        tenant_or_404(tenant_id)
+        return {"api_key": registry.create_key(tenant_id), "note": "the API key is shown once"}
+
+    @api.post("/tenants/{tenant_id}/keys/rotate", status_code=201, dependencies=[Depends(admin)])
+    def rotate_keys(tenant_id: str):
+        tenant_or_404(tenant_id)
+        return {"api_key": registry.rotate_key(tenant_id), "note": "the API key is shown once; old keys revoked"}
+
+    @api.delete("/tenants/{tenant_id}/keys/{key_id}", dependencies=[Depends(admin)])
+    def revoke_key(tenant_id: str, key_id: str):
+        tenant_or_404(tenant_id)
+        try:
+            registry.revoke_key(tenant_id, key_id)
+        except RegistryError as e:
+            raise ControlError(404, "key_not_found", str(e), "key_id") from e
+        return {"revoked": key_id}
+
+    # --- adapter versions ---------------------------------------------------------------
+
+    @api.get("/tenants/{tenant_id}/versions", dependencies=[Depends(admin)])
+    def versions(tenant_id: str):
+        tenant_or_404(tenant_id)
+        return {"live": registry.live_version(tenant_id),
+                "versions": [v.model_dump() for v in registry.adapter_versions(tenant_id)]}
+
+    @api.post("/tenants/{tenant_id}/versions/{version}/promote", dependencies=[Depends(admin)])
+    def promote(tenant_id: str, version: int):
+        tenant_or_404(tenant_id)
+        try:
+            registry.set_live_version(tenant_id, version)
+        except RegistryError as e:
+            raise ControlError(404, "version_not_found", str(e), "version") from e
+        announce(tenant_id, "promoted", version)
+        return {"live": version}
+
+    @api.post("/tenants/{tenant_id}/rollback", dependencies=[Depends(admin)])
+    def rollback(tenant_id: str, body: Rollback):
+        tenant_or_404(tenant_id)
+        target = body.version
+        if target is None:
+            live = registry.live_version(tenant_id)
+            parent = registry.adapter_version(tenant_id, live).parent_version if live is not None else None
+            if parent is None:
+                raise ControlError(409, "nothing_to_roll_back", "the live version has no parent", "version")
+            target = parent
+        try:
+            registry.set_live_version(tenant_id, target)
+        except RegistryError as e:
+            raise ControlError(404, "version_not_found", str(e), "version") from e
+        announce(tenant_id, "rolled_back", target)
+        return {"live": target}
+
+    # --- data -----------------------------------------------------------------------------
+
+    @api.get("/tenants/{tenant_id}/buffers", dependencies=[Depends(admin)])
+    def tenant_buffers(tenant_id: str, n: int = 10):
+        tenant_or_404(tenant_id)
+        n = max(1, min(n, 100))
+        return {"depth": {k: buffers.depth(tenant_id, k) for k in EXAMPLE_KINDS},
+                "stats": buffers.stats(tenant_id),
+                "recent": {k: [e.model_dump() for e in buffers.latest(tenant_id, k, n)] for k in EXAMPLE_KINDS}}
+
+    @api.get("/tenants/{tenant_id}/feedback", dependencies=[Depends(admin)])
+    def tenant_feedback(tenant_id: str, n: int = 50):
+        tenant_or_404(tenant_id)
+        return {"feedback": buffers.recent_feedback(tenant_id, max(1, min(n, 200)))}
+
+    @api.get("/tenants/{tenant_id}/metrics", dependencies=[Depends(admin)])
+    def tenant_metrics(tenant_id: str, n: int = 500):
+        tenant_or_404(tenant_id)
+        return {"points": registry.metrics_history(tenant_id, max(1, min(n, 2000)))}
+
+    @api.get("/dlq", dependencies=[Depends(admin)])
+    def dlq(n: int = 100):
+        return {"dead_letters": [json.loads(x) for x in registry.r.lrange(DLQ_RECENT_KEY, 0, max(1, min(n, 1000)) - 1)]}
+
+    @api.post("/dlq/{event_id}/replay", dependencies=[Depends(admin)])
+    def dlq_replay(event_id: str):
+        for raw in registry.r.lrange(DLQ_RECENT_KEY, 0, -1):
+            letter = DeadLetter.model_validate_json(raw)
+            if letter.event_id == event_id:
+                if publish is None:
+                    raise ControlError(503, "broker_unavailable", "this console has no broker connection")
+                publish(letter.source_topic, letter.key or "", letter.payload)
+                return {"replayed": event_id, "topic": letter.source_topic}
+        raise ControlError(404, "dead_letter_not_found", f"no dead letter {event_id!r}", "event_id")
+
+    app.include_router(api)
+
+    # --- the console (static) -------------------------------------------------------------
+
+    @app.get("/", include_in_schema=False)
+    def root():
+        return RedirectResponse("/console/")
+
+    @app.get("/console/", include_in_schema=False)
+    def console_page():
+        return FileResponse(STATIC / "console.html", headers={
+            "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:",
+            "X-Content-Type-Options": "nosniff"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app
+
+
+def build(kafka_bootstrap: str, redis_url: str, admin_token: str, ingest_group: str = "clora-ingest") -> FastAPI:
+    import redis
+
+    from clora.ingest.producer import EventProducer
+
+    client = redis.Redis.from_url(redis_url)
+    producer = EventProducer(kafka_bootstrap, timeout_s=5.0)
+    return create_control_app(Registry(client), ReplayBuffer(client), admin_token, publish=producer.send_sync,
+                              ingest_group=ingest_group)

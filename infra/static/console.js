@@ -1,0 +1,271 @@
+// clora console: a client of the control-plane API (/api). No framework, no CDN.
+// Every piece of data reaches the page through textContent or SVG attributes, never
+// innerHTML, so tenant names, comments and feedback text cannot inject markup.
+"use strict";
+
+const TOKEN_KEY = "clora-admin-token";
+const REFRESH_MS = 2000;
+let timer = null;
+
+// --- tiny DOM helpers ------------------------------------------------------------------
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "onclick" || k === "onsubmit") node[k] = v;
+    else if (v !== null && v !== undefined && v !== false) node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) node.append(c instanceof Node ? c : document.createTextNode(c ?? ""));
+  return node;
+}
+
+function fmtTime(t) { return t ? new Date(t * 1000).toLocaleString() : "—"; }
+function fmtNum(x, d = 3) { return (x === null || x === undefined) ? "—" : Number(x).toFixed(d); }
+
+// --- API -----------------------------------------------------------------------------
+
+async function api(path, opts = {}) {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const resp = await fetch("/api" + path, {
+    ...opts,
+    headers: { "Authorization": "Bearer " + token, "Content-Type": "application/json" },
+  });
+  const body = await resp.json().catch(() => ({}));
+  if (resp.status === 401) { signOut(); throw new Error("admin token rejected"); }
+  if (!resp.ok) throw new Error(body.error ? body.error.message : resp.statusText);
+  return body;
+}
+
+// --- charts (SVG) ----------------------------------------------------------------------
+
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs) {
+  const n = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, String(v));
+  return n;
+}
+
+// series: [{name, color, points: [[x, y], ...]}]
+function lineChart(series, { width = 420, height = 160, title = "" } = {}) {
+  const pad = 28;
+  const root = svg("svg", { width, height, class: "chart", role: "img", "aria-label": title });
+  const pts = series.flatMap(s => s.points).filter(p => p[1] !== null && p[1] !== undefined);
+  if (title) root.append(Object.assign(svg("text", { x: pad, y: 12 }), { textContent: title }));
+  if (!pts.length) {
+    root.append(Object.assign(svg("text", { x: pad, y: height / 2 }), { textContent: "no data yet" }));
+    return root;
+  }
+  const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
+  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  if (x1 === x0) x1 = x0 + 1;
+  if (y1 === y0) { y1 += 0.5; y0 -= 0.5; }
+  const sx = x => pad + (x - x0) / (x1 - x0) * (width - 2 * pad);
+  const sy = y => height - pad + 8 - (y - y0) / (y1 - y0) * (height - 2 * pad);
+  root.append(svg("line", { x1: pad, y1: height - pad + 8, x2: width - pad, y2: height - pad + 8, stroke: "#35506e" }));
+  root.append(Object.assign(svg("text", { x: 2, y: sy(y1) + 4 }), { textContent: fmtNum(y1, 2) }));
+  root.append(Object.assign(svg("text", { x: 2, y: sy(y0) }), { textContent: fmtNum(y0, 2) }));
+  series.forEach((s, i) => {
+    const ok = s.points.filter(p => p[1] !== null && p[1] !== undefined);
+    if (!ok.length) return;
+    const d = ok.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
+    root.append(svg("path", { d, class: "line", stroke: s.color }));
+    root.append(Object.assign(svg("text", { x: width - pad - 60, y: 12 + 12 * i, fill: s.color }), { textContent: s.name }));
+  });
+  return root;
+}
+
+function sparkline(values) {
+  return lineChart([{ name: "", color: "#3fb950", points: values.map((v, i) => [i, v]) }], { width: 140, height: 40 });
+}
+
+// --- views ---------------------------------------------------------------------------
+
+function view() { return document.getElementById("view"); }
+
+async function renderOverview(first) {
+  const data = await api("/tenants");
+  const dlq = await api("/dlq?n=20");
+  const rows = data.tenants.map(t => el("tr", { "data-tenant": t.id },
+    el("td", {}, el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), el("div", { class: "muted" }, t.name)),
+    el("td", {}, el("span", { class: "pill " + (t.paused ? "paused" : "learning") }, t.paused ? "paused" : "learning")),
+    el("td", { class: "live" }, t.live_version === null ? "base" : "v" + t.live_version),
+    el("td", { class: "depth" }, `${t.buffer_depth.sft} / ${t.buffer_depth.preference} / ${t.buffer_depth.rl}`),
+    el("td", {}, String(data.consumer_lag ?? "—")),
+    el("td", {}, fmtTime(t.last_publish)),
+    el("td", {}, sparkline(t.reward_trend)),
+  ));
+  const table = el("table", { id: "tenants" },
+    el("thead", {}, el("tr", {}, ["tenant", "state", "live", "buffer sft / pref / rl", "consumer lag", "last publish", "reward trend"].map(h => el("th", {}, h)))),
+    el("tbody", {}, rows));
+  const dlqTable = el("table", { id: "dlq" },
+    el("thead", {}, el("tr", {}, ["time", "topic", "reason", ""].map(h => el("th", {}, h)))),
+    el("tbody", {}, dlq.dead_letters.map(d => el("tr", {},
+      el("td", {}, fmtTime(d.time)), el("td", {}, d.source_topic), el("td", { class: "mono" }, d.reason),
+      el("td", {}, el("button", { onclick: () => act(() => api(`/dlq/${encodeURIComponent(d.event_id)}/replay`, { method: "POST" })) }, "replay"))))));
+  if (first) {
+    const form = el("form", { id: "create-tenant", class: "inline", onsubmit: createTenant },
+      el("label", {}, "tenant id", el("input", { name: "id", required: true, pattern: "[a-z0-9][a-z0-9_-]*" })),
+      el("label", {}, "display name", el("input", { name: "name" })),
+      el("button", { type: "submit" }, "Create tenant"));
+    view().replaceChildren(
+      el("section", { class: "card" }, el("h2", {}, "Tenants"), el("div", { id: "tenants-slot" })),
+      el("section", { class: "card" }, el("h2", {}, "New tenant"), form, el("div", { id: "new-key" })),
+      el("section", { class: "card" }, el("h2", {}, "Dead letters"), el("div", { id: "dlq-slot" })));
+  }
+  document.getElementById("tenants-slot").replaceChildren(table);
+  document.getElementById("dlq-slot").replaceChildren(dlqTable);
+}
+
+async function createTenant(ev) {
+  ev.preventDefault();
+  const f = ev.target;
+  try {
+    const res = await api("/tenants", { method: "POST", body: JSON.stringify({ id: f.id.value, name: f.name.value }) });
+    showKey(res.api_key, "API key for " + res.tenant.id);
+    f.reset();
+    refresh();
+  } catch (e) { showError(e); }
+}
+
+function showKey(key, label) {
+  document.getElementById("new-key").replaceChildren(
+    el("p", {}, label + " — shown once, copy it now:"), el("code", { class: "key", id: "shown-key" }, key));
+}
+
+async function renderTenant(id, first) {
+  const enc = encodeURIComponent(id);
+  const [t, versions, metrics, feedback, buffers] = await Promise.all([
+    api(`/tenants/${enc}`), api(`/tenants/${enc}/versions`), api(`/tenants/${enc}/metrics`),
+    api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`)]);
+  if (first) {
+    view().replaceChildren(
+      el("p", {}, el("a", { href: "#/" }, "← all tenants")),
+      el("section", { class: "card" }, el("h2", { id: "tenant-title" }), el("div", { id: "tenant-head" })),
+      el("section", { class: "grid" },
+        el("div", { class: "card", id: "chart-reward" }), el("div", { class: "card", id: "chart-loss" }),
+        el("div", { class: "card", id: "chart-eval" })),
+      el("section", { class: "card" }, el("h2", {}, "Adapter versions"), el("div", { id: "versions-slot" })),
+      el("section", { class: "card" }, el("h2", {}, "Learning policy"), policyForm(id, t.policy)),
+      el("section", { class: "card" }, el("h2", {}, "API keys"), el("div", { id: "keys-slot" }), el("div", { id: "new-key" })),
+      el("section", { class: "card" }, el("h2", {}, "Recent feedback"), el("div", { id: "feedback-slot" })),
+      el("section", { class: "card" }, el("h2", {}, "Replay buffers"), el("div", { id: "buffers-slot" })));
+  }
+  document.getElementById("tenant-title").textContent = `${t.id} ${t.name ? "— " + t.name : ""}`;
+  document.getElementById("tenant-head").replaceChildren(
+    el("span", { class: "pill " + (t.paused ? "paused" : "learning"), id: "state" }, t.paused ? "paused" : "learning"), " ",
+    el("span", {}, "live: "), el("span", { class: "live", id: "live-version" }, versions.live === null ? "base" : "v" + versions.live), " ",
+    el("button", { id: "pause-toggle", onclick: () => act(() => api(`/tenants/${enc}/${t.paused ? "resume" : "pause"}`, { method: "POST" })) },
+      t.paused ? "resume learning" : "pause learning"), " ",
+    el("button", { id: "rollback", onclick: () => act(() => api(`/tenants/${enc}/rollback`, { method: "POST", body: "{}" })) }, "roll back"));
+  const pts = metrics.points;
+  const series = (key, color) => ({ name: key, color, points: pts.map(p => [p.step ?? p.time, p[key]]) });
+  document.getElementById("chart-reward").replaceChildren(lineChart([series("reward", "#3fb950")], { title: "reward" }));
+  document.getElementById("chart-loss").replaceChildren(lineChart([series("loss", "#f85149")], { title: "training loss" }));
+  document.getElementById("chart-eval").replaceChildren(lineChart([series("eval", "#4fb0ff")], { title: "held-out score" }));
+  document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },
+    el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "feedback window", "created", ""].map(h => el("th", {}, h)))),
+    el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },
+      el("td", { class: v.version === versions.live ? "live" : "" }, "v" + v.version + (v.version === versions.live ? " (live)" : "")),
+      el("td", {}, v.parent_version === null ? "—" : "v" + v.parent_version),
+      el("td", {}, String(v.step)), el("td", {}, String(v.examples_seen)),
+      el("td", { class: "mono" }, Object.entries(v.eval_scores).map(([k, s]) => `${k}=${fmtNum(s)}`).join(" ")),
+      el("td", {}, v.feedback_window ? `${fmtTime(v.feedback_window[0])} → ${fmtTime(v.feedback_window[1])}` : "—"),
+      el("td", {}, fmtTime(v.created_at)),
+      el("td", {}, v.version === versions.live ? "" : el("button", { class: "promote", onclick: () => act(() => api(`/tenants/${enc}/versions/${v.version}/promote`, { method: "POST" })) }, "make live")))))));
+  document.getElementById("keys-slot").replaceChildren(el("table", { id: "keys" },
+    el("thead", {}, el("tr", {}, ["key id", "created", "state", ""].map(h => el("th", {}, h)))),
+    el("tbody", {}, t.keys.map(k => el("tr", {},
+      el("td", { class: "mono" }, k.key_id), el("td", {}, fmtTime(k.created_at)),
+      el("td", {}, k.revoked_at ? "revoked " + fmtTime(k.revoked_at) : "active"),
+      el("td", {}, k.revoked_at ? "" : el("button", { onclick: () => act(() => api(`/tenants/${enc}/keys/${k.key_id}`, { method: "DELETE" })) }, "revoke"))))),
+    el("tfoot", {}, el("tr", {}, el("td", { colspan: 4 },
+      el("button", { id: "new-key-btn", onclick: () => keyAction(api(`/tenants/${enc}/keys`, { method: "POST" })) }, "new key"), " ",
+      el("button", { onclick: () => keyAction(api(`/tenants/${enc}/keys/rotate`, { method: "POST" })) }, "rotate (revoke all others)"))))));
+  document.getElementById("feedback-slot").replaceChildren(el("table", { id: "feedback" },
+    el("thead", {}, el("tr", {}, ["time", "interaction", "source", "key", "score", "comment", "correction"].map(h => el("th", {}, h)))),
+    el("tbody", {}, feedback.feedback.map(f => el("tr", {},
+      el("td", {}, fmtTime(f.time)), el("td", { class: "mono" }, f.interaction_id), el("td", {}, f.source),
+      el("td", {}, f.key ?? ""), el("td", {}, fmtNum(f.score, 2)), el("td", { class: "comment" }, f.comment ?? ""),
+      el("td", {}, f.correction ?? ""))))));
+  document.getElementById("buffers-slot").replaceChildren(
+    el("p", { id: "buffer-depth" }, `sft ${buffers.depth.sft} · preference ${buffers.depth.preference} · rl ${buffers.depth.rl}`),
+    el("p", { class: "muted" }, `added ${buffers.stats.added ?? 0} · duplicates ${buffers.stats.duplicates ?? 0} · evicted ${buffers.stats.evicted ?? 0}`));
+}
+
+function policyForm(id, p) {
+  const field = (name, value, attrs = {}) => el("label", {}, name, el("input", { name, value, ...attrs }));
+  const algo = el("select", { name: "algorithm" }, ["sft", "dpo", "rl"].map(a => el("option", { value: a, selected: a === p.algorithm }, a)));
+  const msg = el("span", { id: "policy-msg" });
+  const form = el("form", { class: "inline", id: "policy-form", onsubmit: async ev => {
+    ev.preventDefault();
+    const f = ev.target;
+    const changes = { algorithm: f.algorithm.value };
+    for (const k of ["learning_rate", "batch_size", "weight", "priority", "min_new_examples", "rank", "alpha"]) changes[k] = Number(f[k].value);
+    try { await api(`/tenants/${encodeURIComponent(id)}/policy`, { method: "PATCH", body: JSON.stringify(changes) }); msg.textContent = "saved"; msg.className = ""; }
+    catch (e) { msg.textContent = e.message; msg.className = "error"; }
+  } },
+    el("label", {}, "algorithm", algo),
+    field("learning_rate", p.learning_rate, { type: "number", step: "any" }), field("batch_size", p.batch_size, { type: "number" }),
+    field("weight", p.weight, { type: "number", step: "any" }), field("priority", p.priority, { type: "number" }),
+    field("min_new_examples", p.min_new_examples, { type: "number" }), field("rank", p.rank, { type: "number" }),
+    field("alpha", p.alpha, { type: "number", step: "any" }),
+    el("button", { type: "submit" }, "Save"), msg);
+  return form;
+}
+
+async function keyAction(promise) {
+  try { const res = await promise; showKey(res.api_key, "new API key"); refresh(); } catch (e) { showError(e); }
+}
+
+async function act(fn) {
+  try { await fn(); await refresh(); } catch (e) { showError(e); }
+}
+
+function showError(e) {
+  const s = document.getElementById("status");
+  s.textContent = "error: " + e.message;
+  s.className = "status error";
+}
+
+// --- routing and refresh ---------------------------------------------------------------
+
+async function refresh(first = false) {
+  if (!sessionStorage.getItem(TOKEN_KEY)) return;
+  const hash = location.hash || "#/";
+  try {
+    if (hash.startsWith("#/tenant/")) await renderTenant(decodeURIComponent(hash.slice(9)), first);
+    else await renderOverview(first);
+    const s = document.getElementById("status");
+    s.textContent = "updated " + new Date().toLocaleTimeString();
+    s.className = "status";
+  } catch (e) { showError(e); }
+}
+
+function start() {
+  const signedIn = !!sessionStorage.getItem(TOKEN_KEY);
+  document.getElementById("login").hidden = signedIn;
+  document.getElementById("logout").hidden = !signedIn;
+  if (timer) clearInterval(timer);
+  if (!signedIn) { view().replaceChildren(); return; }
+  refresh(true);
+  timer = setInterval(() => refresh(false), REFRESH_MS);
+}
+
+function signOut() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  start();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("login-form").onsubmit = async ev => {
+    ev.preventDefault();
+    const token = document.getElementById("token").value.trim();
+    const resp = await fetch("/api/tenants", { headers: { "Authorization": "Bearer " + token } });
+    if (resp.status === 401) { document.getElementById("login-error").textContent = "that token was rejected"; return; }
+    sessionStorage.setItem(TOKEN_KEY, token);
+    start();
+  };
+  document.getElementById("logout").onclick = signOut;
+  window.addEventListener("hashchange", () => refresh(true));
+  start();
+});

@@ -1,0 +1,147 @@
+"""The console in a real headless browser (Debian's chromium, driven by Playwright) against a
+running stack: sign in, create a tenant and see its key once, watch the buffer grow as
+feedback arrives, roll back a version, and prove hostile text is shown, not executed.
+Screenshots of each page go to test-artifacts/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clora.infra.registry import AdapterVersion
+from clora.ingest.producer import EventProducer
+from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("CLORA_TEST_ARTIFACTS", "test-artifacts"))
+XSS = '<img src=x onerror="window.__xss=1"><script>window.__xss=2</script>'
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("chromium is not installed (dev.py installs it with apt-get: see its setup)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, console):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    p = ctx.new_page()
+    errors: list[str] = []
+    p.on("pageerror", lambda e: errors.append(str(e)))
+    p.goto(console.url + "/console/")
+    p.fill("#token", console.token)
+    p.click("#login-form button")
+    p.wait_for_selector("#tenants")
+    yield p
+    ctx.close()
+    assert not errors, errors
+
+
+def shot(p, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    p.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
+
+
+def test_login_is_required(browser, console):
+    ctx = browser.new_context()
+    p = ctx.new_page()
+    p.goto(console.url + "/console/")
+    assert p.is_visible("#login") and p.inner_text("#view") == ""
+    p.fill("#token", "wrong-token")
+    p.click("#login-form button")
+    p.wait_for_selector("#login-error:has-text('rejected')")
+    shot(p, "login")
+    ctx.close()
+
+
+def test_create_tenant_shows_key_once(page, registry, tenant_id):
+    page.fill("#create-tenant input[name=id]", tenant_id)
+    page.fill("#create-tenant input[name=name]", "Acme Support")
+    page.click("#create-tenant button")
+    key = page.wait_for_selector("#shown-key").inner_text()
+    assert key.startswith("clk_") and registry.authenticate(key).tenant == tenant_id
+    page.wait_for_selector(f"tr[data-tenant='{tenant_id}']")
+    shot(page, "overview")
+    page.reload()
+    page.wait_for_selector(f"tr[data-tenant='{tenant_id}']")
+    assert key not in page.content()
+
+
+def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker, tenant_id):
+    _, key = registry.create_tenant(tenant_id, name="Growth")
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    page.wait_for_selector("#buffer-depth:has-text('rl 0')")
+    producer = EventProducer(stack.kafka_bootstrap)
+    for i in range(30):  # enough that some land in training (about 10% are held out)
+        registry.claim_interaction(f"{tenant_id}-i{i}", tenant_id)
+        ev = InteractionEvent(tenant=tenant_id, interaction_id=f"{tenant_id}-i{i}",
+                              messages=[{"role": "user", "content": "hi"}], response={"role": "assistant", "content": "yo"})
+        producer.send(TOPIC_INTERACTIONS, tenant_id, ev.model_dump_json())
+    producer.flush(10)
+    producer.close()
+    records = [{"interaction_id": f"{tenant_id}-i{i}", "score": 1.0, "comment": f"ok {i}"} for i in range(30)]
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers={"Authorization": f"Bearer {key}"}, json={"records": records})
+    assert r.status_code == 202
+    page.wait_for_selector("#buffer-depth:not(:has-text('rl 0'))", timeout=30_000)
+    page.wait_for_selector("#feedback td.comment:has-text('ok 29')", timeout=10_000)
+    shot(page, "tenant-feedback")
+
+
+def test_rollback_changes_the_live_version(page, registry, tenant_id):
+    registry.create_tenant(tenant_id, name="Versions")
+    for v in (1, 2, 3):
+        registry.record_adapter_version(tenant_id, AdapterVersion(
+            version=v, path=f"/a/{tenant_id}/v{v}", base_model="tiny", parent_version=v - 1 if v > 1 else None,
+            step=10 * v, examples_seen=64 * v, eval_scores={"heldout": 0.2 * v}))
+        registry.append_metrics(tenant_id, {"step": 10 * v, "loss": 2.0 / v, "reward": 0.3 * v, "eval": 0.2 * v})
+    registry.set_live_version(tenant_id, 3)
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    page.wait_for_selector("#live-version:has-text('v3')")
+    assert page.locator("#chart-reward path.line").count() == 1
+    shot(page, "tenant")
+    page.click("#rollback")
+    page.wait_for_selector("#live-version:has-text('v2')")
+    assert registry.live_version(tenant_id) == 2
+    page.click("tr[data-version='3'] button.promote")
+    page.wait_for_selector("#live-version:has-text('v3')")
+    page.click("#pause-toggle")
+    page.wait_for_selector("#state:has-text('paused')")
+    assert registry.get_tenant(tenant_id).policy.paused
+    page.fill("#policy-form input[name=learning_rate]", "-1")
+    page.click("#policy-form button[type=submit]")
+    page.wait_for_selector("#policy-msg.error:has-text('learning_rate')")
+    shot(page, "tenant-after-rollback")
+
+
+def test_hostile_text_is_escaped(page, stack, registry, webhook, ingest_worker, tenant_id):
+    _, key = registry.create_tenant(tenant_id, name=XSS)
+    registry.claim_interaction(f"{tenant_id}-x", tenant_id)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers={"Authorization": f"Bearer {key}"},
+                   json={"interaction_id": f"{tenant_id}-x", "comment": XSS,
+                         "correction": {"role": "assistant", "content": XSS}})
+    assert r.status_code == 202
+    page.wait_for_selector(f"tr[data-tenant='{tenant_id}']")
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    page.wait_for_selector("#feedback td.comment", timeout=30_000)
+    time.sleep(0.5)
+    assert page.evaluate("window.__xss") is None
+    assert page.locator("#feedback td.comment").first.inner_text() == XSS      # shown as text
+    assert XSS in page.inner_text("#tenant-title")
+    assert page.locator("#view img").count() == 0 and page.locator("#view script").count() == 0
+    shot(page, "xss")

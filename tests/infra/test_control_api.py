@@ -1,0 +1,112 @@
+"""The control-plane API: nothing without the admin token (tenant keys don't open it),
+validated policy edits naming the field, keys shown once, promote / roll back announced on
+`clora.adapters`, DLQ replay."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from kafka import KafkaConsumer
+
+from clora.infra.registry import AdapterVersion
+from clora.ingest.schemas import TOPIC_ADAPTERS
+
+pytestmark = pytest.mark.integration
+
+ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenants/x"),
+          ("PATCH", "/api/tenants/x/policy"), ("POST", "/api/tenants/x/pause"), ("POST", "/api/tenants/x/keys"),
+          ("DELETE", "/api/tenants/x/keys/k"), ("GET", "/api/tenants/x/versions"),
+          ("POST", "/api/tenants/x/rollback"), ("GET", "/api/tenants/x/feedback"), ("GET", "/api/dlq"),
+          ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers")]
+
+
+def admin(console) -> dict[str, str]:
+    return {"Authorization": f"Bearer {console.token}"}
+
+
+@pytest.mark.parametrize("method, path", ROUTES)
+def test_nothing_without_the_admin_token(console, registry, tenant_id, method, path):
+    _, tenant_key = registry.create_tenant(tenant_id)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {tenant_key}"}):
+        r = httpx.request(method, console.url + path, headers=headers, json={})
+        assert r.status_code == 401, (headers, r.text)
+        assert "tenant" not in r.text.lower() or "admin" in r.text.lower()
+
+
+def test_create_tenant_shows_key_once(console, registry, tenant_id):
+    r = httpx.post(f"{console.url}/api/tenants", headers=admin(console), json={"id": tenant_id, "name": "Acme"})
+    assert r.status_code == 201
+    key = r.json()["api_key"]
+    assert registry.authenticate(key).tenant == tenant_id
+    detail = httpx.get(f"{console.url}/api/tenants/{tenant_id}", headers=admin(console)).text
+    assert key not in detail and key not in httpx.get(f"{console.url}/api/tenants", headers=admin(console)).text
+    dup = httpx.post(f"{console.url}/api/tenants", headers=admin(console), json={"id": tenant_id})
+    assert dup.status_code == 409
+    bad = httpx.post(f"{console.url}/api/tenants", headers=admin(console), json={"id": "Bad Id"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "id"
+
+
+def test_policy_edits_are_validated(console, registry, tenant_id):
+    registry.create_tenant(tenant_id)
+    url = f"{console.url}/api/tenants/{tenant_id}/policy"
+    r = httpx.patch(url, headers=admin(console), json={"learning_rate": 0.001, "algorithm": "dpo"})
+    assert r.status_code == 200 and r.json()["algorithm"] == "dpo"
+    r = httpx.patch(url, headers=admin(console), json={"batch_size": 0})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "batch_size"
+    r = httpx.patch(url, headers=admin(console), json={"algorithm": "magic"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "algorithm"
+    assert registry.get_tenant(tenant_id).policy.algorithm == "dpo"
+    assert httpx.post(f"{console.url}/api/tenants/{tenant_id}/pause", headers=admin(console)).json()["paused"]
+    assert registry.get_tenant(tenant_id).policy.paused
+
+
+def test_key_rotation_and_revocation(console, registry, tenant_id):
+    _, first = registry.create_tenant(tenant_id)
+    new = httpx.post(f"{console.url}/api/tenants/{tenant_id}/keys/rotate", headers=admin(console)).json()["api_key"]
+    assert registry.authenticate(first) is None and registry.authenticate(new).tenant == tenant_id
+    key_id = registry.authenticate(new).key_id
+    assert httpx.delete(f"{console.url}/api/tenants/{tenant_id}/keys/{key_id}", headers=admin(console)).status_code == 200
+    assert registry.authenticate(new) is None
+    assert httpx.delete(f"{console.url}/api/tenants/{tenant_id}/keys/nope", headers=admin(console)).status_code == 404
+
+
+def _versions(registry, tenant_id, n):
+    for v in range(1, n + 1):
+        registry.record_adapter_version(tenant_id, AdapterVersion(
+            version=v, path=f"/adapters/{tenant_id}/v{v}", base_model="tiny", parent_version=v - 1 if v > 1 else None,
+            step=v * 10, examples_seen=v * 80, eval_scores={"heldout": 0.1 * v}))
+    registry.set_live_version(tenant_id, n)
+
+
+def test_rollback_and_promote_are_announced(stack, console, registry, tenant_id):
+    registry.create_tenant(tenant_id)
+    _versions(registry, tenant_id, 3)
+    r = httpx.post(f"{console.url}/api/tenants/{tenant_id}/rollback", headers=admin(console), json={})
+    assert r.json() == {"live": 2} and registry.live_version(tenant_id) == 2
+    r = httpx.post(f"{console.url}/api/tenants/{tenant_id}/versions/3/promote", headers=admin(console))
+    assert r.json() == {"live": 3}
+    r = httpx.post(f"{console.url}/api/tenants/{tenant_id}/versions/9/promote", headers=admin(console))
+    assert r.status_code == 404
+    consumer = KafkaConsumer(TOPIC_ADAPTERS, bootstrap_servers=stack.kafka_bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=4000, group_id=None)
+    mine = [json.loads(m.value) for m in consumer if m.key == tenant_id.encode()]
+    consumer.close()
+    assert [(e["action"], e["version"]) for e in mine] == [("rolled_back", 2), ("promoted", 3)]
+
+
+def test_dlq_replay_republishes_the_payload(stack, console, redis_client, tenant_id):
+    from clora.ingest.schemas import DeadLetter
+    from clora.ingest.worker import DLQ_RECENT_KEY
+
+    letter = DeadLetter(source_topic="clora.feedback", key=tenant_id, reason="test", payload='{"fixed": true}')
+    redis_client.lpush(DLQ_RECENT_KEY, letter.model_dump_json())
+    listed = httpx.get(f"{console.url}/api/dlq", headers=admin(console)).json()["dead_letters"]
+    assert any(d["event_id"] == letter.event_id for d in listed)
+    r = httpx.post(f"{console.url}/api/dlq/{letter.event_id}/replay", headers=admin(console))
+    assert r.json()["topic"] == "clora.feedback"
+    consumer = KafkaConsumer("clora.feedback", bootstrap_servers=stack.kafka_bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=4000, group_id=None)
+    assert any(m.value == b'{"fixed": true}' and m.key == tenant_id.encode() for m in consumer)
+    consumer.close()
