@@ -40,6 +40,17 @@ def log(msg: str) -> None:
     print(f"[dev] {msg}", flush=True)
 
 
+def system_packages() -> None:
+    """Debian's chromium for the console's browser tests (Playwright drives it; it downloads
+    no browser of its own). Installed with apt-get when we are root and it is missing."""
+    if Path("/usr/bin/chromium").exists() or os.geteuid() != 0 or not Path("/usr/bin/apt-get").exists():
+        return
+    log("installing chromium (apt-get) for the console's browser tests")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env)
+
+
 def setup() -> None:
     want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + repr(STEPS).encode()).hexdigest()
     if STAMP.exists() and STAMP.read_text() == want and PY.exists():
@@ -59,6 +70,8 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     setup()
+    if argv[0] == "test":
+        system_packages()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     bin_dir = VENV / "bin"
     if argv[0] == "up":
