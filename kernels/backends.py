@@ -85,20 +85,25 @@ class TritonBackend:
             )
         return kernel
 
-    def _check_device(self, t: torch.Tensor) -> None:
+    def _check_device(self, t: torch.Tensor, meta: SegmentMeta) -> None:
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"Triton kernels take fp32, fp16 or bf16 tensors, got {t.dtype} (use TorchBackend)")
         if not self.interpret and t.device.type != "cuda":
             raise ValueError(f"compiled Triton kernels need CUDA tensors, got a tensor on {t.device}")
+        if meta.seg_starts.device != t.device:
+            raise ValueError(
+                f"SegmentMeta lives on {meta.seg_starts.device} but the tokens on {t.device}; "
+                "build it with device= the batch's device"
+            )
 
     def segmented_mm(self, x, w, meta, scale=None, out=None):
-        self._check_device(x)
+        self._check_device(x, meta)
         return _mm.segmented_mm_triton(
             x, w, meta, scale, out, kernel=self._mm_kernel, dot_fp32=self.interpret
         )
 
     def segmented_weight_grad(self, a, b, meta, scale=None, out_dtype=None):
-        self._check_device(a)
+        self._check_device(a, meta)
         return _wg.segmented_weight_grad_triton(
             a, b, meta, scale, out_dtype, kernel=self._wg_kernel, dot_fp32=self.interpret
         )
