@@ -63,3 +63,29 @@ def test_bad_tenant_ids_are_refused(registry):
     for bad in ["", "UPPER", "has space", "x" * 80, "../etc"]:
         with pytest.raises(ValueError, match="tenant id"):
             registry.create_tenant(bad)
+
+
+def test_external_urls_start_nothing(tmp_path, stack):
+    from clora.infra.settings import PlatformSettings
+    from clora.infra.stack import LocalStack
+
+    ext = LocalStack(platform=PlatformSettings(data_dir=tmp_path, kafka_bootstrap=stack.kafka_bootstrap,
+                                               redis_url=stack.redis_url))
+    with ext:
+        assert ext.processes == {}
+        assert ext.kafka_bootstrap == stack.kafka_bootstrap and ext.redis_url == stack.redis_url
+    assert not (tmp_path / "logs").exists()
+
+
+def test_settings_come_from_the_environment(monkeypatch):
+    from pydantic import ValidationError
+
+    from clora.infra.settings import IngestSettings, PlatformSettings, WebhookSettings
+
+    monkeypatch.setenv("CLORA_KAFKA_BOOTSTRAP", "kafka:9092")
+    monkeypatch.setenv("CLORA_WEBHOOK_MAX_BATCH", "7")
+    assert PlatformSettings().kafka_bootstrap == "kafka:9092"
+    assert WebhookSettings().max_batch == 7
+    monkeypatch.setenv("CLORA_INGEST_EVICTION", "lru")
+    with pytest.raises(ValidationError, match="eviction"):
+        IngestSettings()
