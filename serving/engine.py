@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -26,6 +29,7 @@ from clora.serving.aliases import AdapterRef
 from clora.serving.replica import Replica, ReplicaError
 from clora.serving.residency import CapacityError
 from clora.serving.settings import EngineSettings
+from clora.serving.zero_adapter import ZERO_ADAPTER_NAME, write_zero_adapter
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,9 @@ class Lease:
 
     replica: Replica
     model: str
-    """Name to send as `model` to vLLM: the versioned adapter name, or the base model name."""
+    """Name to send as `model` to vLLM: the versioned adapter name, or the base model's."""
     ref: AdapterRef | None
+    """The tenant adapter served, None for the base model."""
 
 
 class EngineManager:
@@ -61,6 +66,17 @@ class EngineManager:
         self._monitor: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        self.zero_ref: AdapterRef | None = None
+        """Set when base-model requests go through the all-zero adapter (CPU build)."""
+        use_zero = settings.base_via_zero_adapter
+        if use_zero is None:
+            import torch
+
+            use_zero = not torch.cuda.is_available()
+        if use_zero:
+            folder = Path(tempfile.mkdtemp(prefix="clora-zero-adapter-"))
+            write_zero_adapter(settings.model, folder)
+            self.zero_ref = AdapterRef(ZERO_ADAPTER_NAME, 0, str(folder))
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -73,6 +89,7 @@ class EngineManager:
             await self.stop()
             raise
         for r in self.replicas:
+            await self._load_fixed(r)
             r.healthy = True
         self._monitor = asyncio.create_task(self._monitor_loop(), name="engine-monitor")
 
@@ -84,6 +101,13 @@ class EngineManager:
                 await self._monitor
         await asyncio.gather(*(asyncio.to_thread(r.terminate) for r in self.replicas))
         await self.http.aclose()
+        if self.zero_ref is not None:
+            shutil.rmtree(self.zero_ref.path, ignore_errors=True)
+
+    async def _load_fixed(self, replica: Replica) -> None:
+        """Adapters every replica always holds: the zero adapter, pinned for good."""
+        if self.zero_ref is not None:
+            await self._make_resident(replica, self.zero_ref, pin=True)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
@@ -103,8 +127,9 @@ class EngineManager:
         if ref is not None:
             await self._make_resident(replica, ref, pin=True)
         replica.in_flight += 1
+        served = ref.name if ref else (self.zero_ref.name if self.zero_ref else self.settings.base_name)
         try:
-            yield Lease(replica, ref.name if ref else self.settings.base_name, ref)
+            yield Lease(replica, served, ref)
         finally:
             replica.in_flight -= 1
             if ref is not None:
@@ -212,11 +237,18 @@ class EngineManager:
         r.healthy = False
         log.warning("restarting vLLM replica %d (alive=%s)", r.index, r.alive())
         await asyncio.to_thread(r.terminate, 5.0)
+        recent = list(reversed(r.resident.names()))  # most recently used first
         r.resident.clear()
         r.restarts += 1
         r.spawn()
         await r.wait_ready(self.http)
-        for ref in self.live_refs()[: r.resident.capacity]:
+        await self._load_fixed(r)
+        # Every live adapter comes back at its current version; when there are more than slots,
+        # the ones used last before the crash are loaded now and the others on demand.
+        live = self.live_refs()
+        rank = {name: i for i, name in enumerate(recent)}
+        live.sort(key=lambda ref: rank.get(ref.name, len(rank)))
+        for ref in reversed(live[: r.resident.capacity - len(r.resident)]):
             await self._make_resident(r, ref, pin=False)
         r.healthy = True
         log.info("replica %d back with %d live adapters: %s", r.index, len(r.resident), r.resident.names())

@@ -135,7 +135,7 @@ class Gateway:
                 raise errors.unavailable(f"adapter {ref.name if ref else '?'} could not be loaded: {e}") from e
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
-                           client_model=lease.model)
+                           client_model=ref.name if ref else self.engine.settings.base_name)
             for iid in rec.interaction_ids():
                 await asyncio.to_thread(self.registry.claim_interaction, iid, principal.tenant)
             up = upstream_body(body, kind, lease.model)

@@ -46,6 +46,10 @@ class EngineSettings(BaseSettings):
     tool_call_parser: str = "hermes"
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which logprobs vLLM returns (and interaction events carry)."""
+    base_via_zero_adapter: bool | None = None
+    """Serve base-model requests through an all-zero adapter (see `serving/zero_adapter.py`:
+    works around vLLM's CPU LoRA ops applying the last slot's adapter to base rows in mixed
+    batches). None: on when CUDA is not available."""
     extra_args: list[str] = Field(default_factory=list)
     start_timeout_s: float = Field(default=300.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)

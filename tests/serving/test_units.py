@@ -1,0 +1,169 @@
+"""Fast unit tests of the serving building blocks (no engine, no broker)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kafka.errors import KafkaTimeoutError
+
+from clora.ingest.schemas import InteractionEvent, Message
+from clora.serving.aliases import AdapterRef, AliasTable, parse_model
+from clora.serving.completions import Recorder, upstream_body
+from clora.serving.errors import ApiError
+from clora.serving.interactions import InteractionLogger
+from clora.serving.quota import TenantQuota
+from clora.serving.residency import CapacityError, ResidentSet
+from clora.serving.settings import EngineSettings
+from clora.serving.spool import DiskSpool
+
+
+def test_parse_model():
+    assert parse_model("acme") == ("acme", None)
+    assert parse_model("acme@v7") == ("acme", 7)
+    assert parse_model("acme@v") == ("acme@v", None)
+    assert parse_model("Acme@v7") == ("Acme@v7", None)
+
+
+def test_alias_switch_returns_previous():
+    t = AliasTable()
+    v1, v2 = AdapterRef("a", 1, "/p1"), AdapterRef("a", 2, "/p2")
+    assert t.switch("a", v1) is None and t.get("a") == v1
+    assert t.switch("a", v2) == v1 and t.get("a").name == "a@v2"
+    assert t.switch("a", None) == v2 and t.get("a") is None
+
+
+def test_lru_evicts_least_recently_used_idle_adapter():
+    rs = ResidentSet(3)
+    for n in "abc":
+        rs.add(n, "/" + n)
+    rs.pin("a")
+    rs.unpin("a")  # a is now the most recent
+    assert rs.full() and rs.victim() == "b"
+    rs.pin("b")  # in use: never evicted
+    assert rs.victim() == "c"
+    rs.pin("c")
+    rs.pin("a")
+    with pytest.raises(CapacityError, match="all 3 resident adapters"):
+        rs.victim()
+    with pytest.raises(CapacityError, match="3 of 3"):
+        rs.add("d", "/d")
+
+
+def test_engine_settings_validate_lora_slots():
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineSettings(max_loras=8, max_cpu_loras=4)
+
+
+def test_quota_concurrency_and_rate():
+    now = [0.0]
+    q = TenantQuota(concurrency=2, rate_per_s=1.0, burst=3, clock=lambda: now[0])
+    q.acquire("a")
+    q.acquire("a")
+    with pytest.raises(ApiError) as e:
+        q.acquire("a")
+    assert e.value.status == 429 and "in flight" in e.value.message
+    q.acquire("b")  # other tenants are unaffected
+    q.release("a")
+    q.release("a")
+    q.acquire("a")
+    q.release("a")  # 3 tokens spent
+    with pytest.raises(ApiError, match="requests/s"):
+        q.acquire("a")
+    now[0] = 1.0
+    q.acquire("a")
+
+
+def test_spool_append_ack_reopen(tmp_path):
+    s = DiskSpool(tmp_path)
+    s.append([("t", "k1", "v1"), ("t", "k2", "v2")])
+    s.append([("t", "k3", "v3")])
+    recs = s.pending(2)
+    assert [r.value for r in recs] == ["v1", "v2"]
+    s.ack(recs[-1].end)
+    s.close()
+    s = DiskSpool(tmp_path)  # survives a restart, offset included
+    assert [r.value for r in s.pending()] == ["v3"] and s.count() == 1
+    with open(s.data, "ab") as f:
+        f.write(b'{"topic": "t", "key"')  # a torn write from a crash is not replayed
+    assert [r.value for r in s.pending()] == ["v3"]
+    s.ack(s.pending()[-1].end)
+    assert s.count() == 0
+
+
+class FlakyProducer:
+    def __init__(self):
+        self.up = False
+        self.got: list[str] = []
+
+    def send(self, topic, key, value):
+        if not self.up:
+            raise KafkaTimeoutError("broker down")
+        self.got.append(json.loads(value)["interaction_id"])
+        return _Done()
+
+    def close(self):
+        pass
+
+
+class _Done:
+    def get(self, timeout=None):
+        return None
+
+
+def _event(i: int) -> InteractionEvent:
+    return InteractionEvent(tenant="acme", interaction_id=f"i{i}", messages=[Message(role="user", content="q")],
+                            response=Message(role="assistant", content="a"))
+
+
+def test_logger_spools_while_broker_down_and_sends_in_order_later(tmp_path):
+    import time
+
+    prod = FlakyProducer()
+    lg = InteractionLogger(lambda: prod, DiskSpool(tmp_path), retry_s=0.05).start()
+    for i in range(5):
+        lg.submit(_event(i))
+    deadline = time.time() + 5
+    while lg.spool.count() < 5 and time.time() < deadline:
+        time.sleep(0.02)
+    assert lg.spool.count() == 5 and prod.got == []
+    prod.up = True
+    lg.submit(_event(5))
+    deadline = time.time() + 5
+    while len(prod.got) < 6 and time.time() < deadline:
+        time.sleep(0.02)
+    assert prod.got == [f"i{i}" for i in range(6)]
+    assert lg.spool.count() == 0
+    lg.stop()
+
+
+def test_recorder_stream_accumulates_and_strips():
+    body = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    up = upstream_body(body, "chat", "acme@v3")
+    assert up["model"] == "acme@v3" and up["return_token_ids"] and up["logprobs"] and up["top_logprobs"] == 0
+    rec = Recorder(kind="chat", body=body, tenant="acme", interaction_id="chatcmpl-x",
+                   ref=AdapterRef("acme", 3, "/p"), client_model="acme@v3")
+    c1 = rec.chunk({"id": "up-1", "model": "acme@v3", "prompt_token_ids": [1, 2], "choices": [
+        {"index": 0, "delta": {"content": "Hel"}, "token_ids": [9],
+         "logprobs": {"content": [{"token": "Hel", "logprob": -0.5}]}}]})
+    rec.chunk({"id": "up-1", "choices": [{"index": 0, "delta": {"content": "lo"}, "token_ids": [4],
+                                          "logprobs": {"content": [{"token": "lo", "logprob": -0.25}]},
+                                          "finish_reason": "stop"}]})
+    assert c1["id"] == "chatcmpl-x" and "prompt_token_ids" not in c1
+    assert c1["choices"][0]["logprobs"] is None and "token_ids" not in c1["choices"][0]
+    (ev,) = rec.events()
+    assert ev.response.content == "Hello" and ev.completion_token_ids == [9, 4]
+    assert ev.completion_logprobs == [-0.5, -0.25] and ev.prompt_token_ids == [1, 2]
+    assert ev.adapter == "acme@v3" and ev.adapter_version == 3
+
+
+def test_recorder_stream_tool_call_deltas():
+    body = {"model": "acme", "messages": [{"role": "user", "content": "w"}], "tools": [{"type": "function"}]}
+    rec = Recorder(kind="chat", body=body, tenant="acme", interaction_id="chatcmpl-y", ref=None, client_model="base")
+    rec.chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call1", "function": {"name": "get_weather", "arguments": '{"ci'}}]}}]})
+    rec.chunk({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": 1}'}}]},
+                            "finish_reason": "tool_calls"}]})
+    (ev,) = rec.events()
+    assert ev.response.tool_calls[0].function.arguments == '{"city": 1}'
+    assert ev.response.tool_calls[0].id == "call1" and ev.adapter is None
