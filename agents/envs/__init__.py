@@ -1,0 +1,12 @@
+"""Environments with rewards: problem generators, held-out sets, reward functions and
+reference answers for operator corrections. `ENVIRONMENTS` maps a task name to its class."""
+
+from clora.agents.envs.arithmetic import ArithmeticEnv
+from clora.agents.envs.base import DIFFICULTIES, Difficulty, Environment, Problem, TaskEnv
+from clora.agents.envs.structured import StructuredEnv
+from clora.agents.envs.support import SupportEnv
+
+ENVIRONMENTS: dict[str, type[TaskEnv]] = {e.name: e for e in (ArithmeticEnv, SupportEnv, StructuredEnv)}
+
+__all__ = ["ArithmeticEnv", "StructuredEnv", "SupportEnv", "Environment", "Problem", "TaskEnv", "Difficulty",
+           "DIFFICULTIES", "ENVIRONMENTS"]

@@ -1,0 +1,118 @@
+"""GSM8K-style arithmetic word problems solved with the Calculator and FinalAnswer tools.
+
+Reward is 1.0 only when the agent calls `final_answer` with the right number (numeric
+compare, relative tolerance 1e-6; "1,234", "$12" and "12.0" are numbers), else 0.0 —
+a right number written as plain text earns nothing: the task teaches the tool format.
+
+Difficulties: easy = one operation, medium = two, hard = three with larger numbers.
+Every answer is a whole number. The reference solution is the three messages an SFT
+correction teaches: a calculator call with the whole expression, its result, and the
+final_answer call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from typing import Any
+
+from clora.agents.envs.base import Difficulty, Problem, TaskEnv
+from clora.agents.tools import Calculator, FinalAnswer, ToolRegistry, evaluate
+
+SYSTEM = "Solve the problem. Use the calculator, then call final_answer."
+
+NAMES = ("Sam", "Ana", "Leo", "Mia", "Tom", "Zoe", "Ben", "Ivy", "Max", "Eva", "Noah", "Lily")
+ITEMS = ("apples", "pens", "cards", "stickers", "cookies", "books", "marbles", "shells")
+
+_NUMBER_RE = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _easy(r: random.Random, who: str, item: str) -> tuple[str, str]:
+    a, b = r.randint(2, 12), r.randint(2, 12)
+    return r.choice([
+        (f"{who} has {a} bags with {b} {item} each. How many {item} does {who} have?", f"{a}*{b}"),
+        (f"{who} had {a * b + a} {item} and got {b + 10} more. How many {item} now?", f"{a * b + a}+{b + 10}"),
+        (f"{who} had {a * b + 20} {item} and gave away {a + 9}. How many are left?", f"{a * b + 20}-{a + 9}"),
+        (f"{a * b} {item} are shared equally by {a} kids. How many does each kid get?", f"{a * b}/{a}"),
+    ])
+
+
+def _medium(r: random.Random, who: str, item: str) -> tuple[str, str]:
+    a, b, c = r.randint(2, 12), r.randint(3, 15), r.randint(2, 30)
+    return r.choice([
+        (f"{who} buys {a} packs of {b} {item} and finds {c} more. How many {item} in total?", f"{a}*{b}+{c}"),
+        (f"{who} had {a * b + c} {item} and sold {a} boxes of {b}. How many are left?", f"{a * b + c}-{a}*{b}"),
+        (f"{who} has {a * b} {item} and {c * a} more, shared by {a} friends. How many each?", f"({a * b}+{c * a})/{a}"),
+    ])
+
+
+def _hard(r: random.Random, who: str, item: str) -> tuple[str, str]:
+    a, b, d = r.randint(11, 40), r.randint(6, 25), r.randint(2, 5)
+    c = r.randint(10, min(99, a * b - 10))
+    total = a * b - c
+    total -= total % d  # make the split exact
+    c = a * b - total
+    return r.choice([
+        (f"{who} earns {a} dollars an hour for {b} hours, spends {c} and splits the rest among {d} people. "
+         f"How much does each get?", f"({a}*{b}-{c})/{d}"),
+        (f"A store gets {a} crates of {b} {item}, throws away {c} and packs the rest into {d} boxes. "
+         f"How many {item} per box?", f"({a}*{b}-{c})/{d}"),
+    ])
+
+
+_MAKERS = {"easy": _easy, "medium": _medium, "hard": _hard}
+
+
+def parse_number(text: str | None) -> float | None:
+    """The number in an answer like "51", " 51.0", "$1,234" — None when it is not one number."""
+    if text is None:
+        return None
+    t = str(text).strip().replace(",", "").lstrip("$").strip()
+    if not _NUMBER_RE.match(t):
+        return None
+    value = float(t)
+    return value if math.isfinite(value) else None
+
+
+def calculator_call(expression: str, call_id: str = "call_calc") -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
+        "name": "calculator", "arguments": json.dumps({"expression": expression})}}]}
+
+
+def final_answer_call(answer: int | float, call_id: str = "call_final") -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
+        "name": "final_answer", "arguments": json.dumps({"answer": answer})}}]}
+
+
+class ArithmeticEnv(TaskEnv):
+    name = "arithmetic"
+    tools = ToolRegistry.of([Calculator, FinalAnswer])
+
+    def __init__(self, tolerance: float = 1e-6):
+        super().__init__()
+        self.tolerance = tolerance
+
+    def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        text, expr = _MAKERS[difficulty](rng, rng.choice(NAMES), rng.choice(ITEMS))
+        value = evaluate(expr)
+        assert float(value).is_integer(), f"{expr} = {value} is not whole"
+        answer = int(value)
+        reference = (calculator_call(expr), {"role": "tool", "tool_call_id": "call_calc", "content": str(answer)},
+                     final_answer_call(answer))
+        messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": text})
+        return Problem(self.name, difficulty, text, messages, answer, reference)
+
+    def reward(self, problem: Problem, answer: str | None) -> float:
+        value = parse_number(answer)
+        if value is None:
+            return 0.0
+        return 1.0 if math.isclose(value, problem.expected, rel_tol=self.tolerance, abs_tol=self.tolerance) else 0.0
+
+    def correction(self, problem: Problem, prompt: list[dict[str, Any]]) -> dict[str, Any]:
+        """final_answer once a tool result in `prompt` holds the right number; the calculator call before that."""
+        results = [m.get("content") for m in prompt[len(problem.messages):] if m.get("role") == "tool"]
+        if any(self.reward(problem, r) == 1.0 for r in results):
+            return dict(problem.reference[2])
+        return dict(problem.reference[0])

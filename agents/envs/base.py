@@ -1,0 +1,115 @@
+"""What every environment shares: the `Problem` record, the `Environment` protocol, and
+`TaskEnv`, which derives a seeded training stream and a fixed held-out set from one
+problem maker so the two never overlap.
+
+A problem's identity is its `key` (the user-visible text). The held-out set is made
+once from `HELD_OUT_SEED`; training problems are drawn from the caller's seed and any
+whose key is held out is skipped, so evaluation never sees a problem trained on.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from clora.agents.tools import ToolRegistry
+
+Difficulty = Literal["easy", "medium", "hard"]
+DIFFICULTIES: tuple[Difficulty, ...] = ("easy", "medium", "hard")
+
+HELD_OUT_SEED = 1_000_003
+"""Seed of every environment's held-out set (training seeds may be anything)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance.
+
+    Example (arithmetic): key "Sam has 4 bags of 7 apples. How many apples?",
+    messages [system, user], expected 28, reference [assistant calls calculator("4*7"),
+    tool "28", assistant calls final_answer(28)].
+    """
+
+    env: str
+    difficulty: Difficulty
+    key: str
+    messages: tuple[dict[str, Any], ...]
+    """The prompt, OpenAI-shaped."""
+    expected: Any
+    """What the reward compares against (a number, a dict of fields, a customer record)."""
+    reference: tuple[dict[str, Any], ...]
+    """A correct continuation of `messages`: assistant turns (and tool results between them)."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+    tools: ToolRegistry
+
+    def problem(self, seed: int, difficulty: Difficulty) -> Problem: ...
+
+    def train_problems(self, n: int, seed: int, difficulty: Difficulty | None = None) -> list[Problem]: ...
+
+    def held_out(self) -> list[Problem]: ...
+
+    def reward(self, problem: Problem, answer: str | None) -> float: ...
+
+    def correction(self, problem: Problem, prompt: list[dict[str, Any]]) -> dict[str, Any]: ...
+
+
+class TaskEnv:
+    """Base for environments: subclasses define `name`, `tools`, `_make`, `reward`, and
+    (when it is not simply the reference's first assistant message) `correction`."""
+
+    name: str = "task"
+    tools: ToolRegistry = ToolRegistry()
+    held_out_size: int = 30
+
+    def __init__(self) -> None:
+        self._held_out: list[Problem] | None = None
+
+    def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        raise NotImplementedError
+
+    def problem(self, seed: int, difficulty: Difficulty) -> Problem:
+        """The problem for (seed, difficulty): the same on every call and every machine."""
+        if difficulty not in DIFFICULTIES:
+            raise ValueError(f"{self.name}: difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
+        return self._make(random.Random(f"{self.name}/{difficulty}/{seed}"), difficulty)
+
+    def held_out(self) -> list[Problem]:
+        """The fixed evaluation set: `held_out_size` distinct problems, difficulties in turn."""
+        if self._held_out is None:
+            out: dict[str, Problem] = {}
+            i = 0
+            while len(out) < self.held_out_size:
+                p = self.problem(HELD_OUT_SEED + i, DIFFICULTIES[len(out) % len(DIFFICULTIES)])
+                out.setdefault(p.key, p)
+                i += 1
+                if i > 100 * self.held_out_size:
+                    raise RuntimeError(f"{self.name}: cannot find {self.held_out_size} distinct held-out problems")
+            self._held_out = list(out.values())
+        return list(self._held_out)
+
+    def train_problems(self, n: int, seed: int, difficulty: Difficulty | None = None) -> list[Problem]:
+        """`n` training problems drawn from `seed`, none of them held out (difficulty None: mixed)."""
+        held = {p.key for p in self.held_out()}
+        rng = random.Random(f"{self.name}/train/{seed}")
+        out: list[Problem] = []
+        tries = 0
+        while len(out) < n:
+            tries += 1
+            if tries > 100 * n + 100:
+                raise RuntimeError(f"{self.name}: only {len(out)} of {n} training problems avoid the held-out set")
+            p = self.problem(rng.randrange(2**62), difficulty or rng.choice(DIFFICULTIES))
+            if p.key not in held:
+                out.append(p)
+        return out
+
+    def reward(self, problem: Problem, answer: str | None) -> float:
+        raise NotImplementedError
+
+    def correction(self, problem: Problem, prompt: list[dict[str, Any]]) -> dict[str, Any]:
+        """The assistant message that should follow `prompt` (an operator's correction)."""
+        return dict(problem.reference[0])

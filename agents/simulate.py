@@ -1,0 +1,181 @@
+"""Traffic and operator simulators: what drives a tenant's agent against the platform.
+
+`TenantTraffic.step()` draws `prompts_per_step` training problems from the tenant's
+environment, runs `group_size` rollouts of each (one group id per prompt, first turn
+sampled with `n=group_size`), scores them with the environment's reward and sends one
+feedback record per turn (source `environment`, score = the episode's reward, event id
+`env-<interaction id>` so a resent step is not counted twice). An `OperatorSimulator`
+attached to it corrects a share of the answers with the environment's reference
+(source `operator`, event id `op-<interaction id>`). `run_tenants` runs several tenants
+concurrently, one thread each; `evaluate` scores an agent on the held-out set.
+
+Unit tests drive these against a fake OpenAI server and a fake webhook; the demo and the
+benchmarks drive them against the real gateway and webhook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from clora.agents.envs.base import Difficulty, Problem, TaskEnv
+from clora.agents.feedback import FeedbackClient
+from clora.agents.runtime import Agent, AgentError, EpisodeTrace
+from clora.ingest.schemas import FeedbackIn, Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    problem: Problem
+    trace: EpisodeTrace
+    reward: float
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One traffic step of one tenant. Example: 2 prompts × group 4 → 8 rollouts; with 2
+    turns each, 16 reward records; `errors` lists episodes that failed (with why)."""
+
+    tenant: str
+    step: int
+    rollouts: tuple[Rollout, ...]
+    rewards_sent: int
+    corrections_sent: int
+    errors: tuple[str, ...]
+    seconds: float
+
+    @property
+    def mean_reward(self) -> float:
+        return sum(r.reward for r in self.rollouts) / len(self.rollouts) if self.rollouts else 0.0
+
+
+def reward_records(rollout: Rollout, key: str = "reward") -> list[FeedbackIn]:
+    """The episode's reward on every turn it took (each turn is one interaction)."""
+    return [FeedbackIn(interaction_id=iid, event_id=f"env-{iid}", source="environment", score=rollout.reward,
+                       key=key) for iid in rollout.trace.interaction_ids]
+
+
+def _call_key(call: dict[str, Any]) -> tuple[str, Any]:
+    fn = call.get("function") or {}
+    try:
+        return fn.get("name"), json.loads(fn.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return fn.get("name"), fn.get("arguments")
+
+
+def same_action(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two assistant messages say the same thing: equal text (trimmed) and the same
+    tool calls with equal parsed arguments (call ids and JSON spacing do not matter)."""
+    return ((a.get("content") or "").strip() == (b.get("content") or "").strip()
+            and [_call_key(c) for c in a.get("tool_calls") or []] == [_call_key(c) for c in b.get("tool_calls") or []])
+
+
+class OperatorSimulator:
+    """Corrects `share` of the answers it reviews (only wrong ones when `only_wrong`): every
+    turn whose response differs from what the environment says should have followed its
+    prompt gets that as a correction. Decisions are seeded by (seed, interaction id)."""
+
+    def __init__(self, env: TaskEnv, share: float = 0.5, *, only_wrong: bool = True, seed: int = 0):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"operator share must be in [0, 1], got {share}")
+        self.env, self.share, self.only_wrong, self.seed = env, share, only_wrong, seed
+
+    def review(self, rollout: Rollout) -> list[FeedbackIn]:
+        trace = rollout.trace
+        if not trace.turns or (self.only_wrong and rollout.reward >= 1.0):
+            return []
+        if random.Random(f"{self.seed}/{trace.turns[0].interaction_id}").random() >= self.share:
+            return []
+        out = []
+        for turn in trace.turns:
+            fix = self.env.correction(rollout.problem, trace.prompt_of(turn))
+            if same_action(fix, trace.response_of(turn)):
+                continue
+            out.append(FeedbackIn(interaction_id=turn.interaction_id, event_id=f"op-{turn.interaction_id}",
+                                  source="operator", correction=Message.model_validate(fix), key="correction"))
+        return out
+
+
+class TenantTraffic:
+    """One tenant's simulated traffic: group rollouts on its environment, rewards as feedback."""
+
+    def __init__(self, tenant: str, agent: Agent, env: TaskEnv, feedback: FeedbackClient, *,
+                 group_size: int = 4, prompts_per_step: int = 2, concurrency: int = 4,
+                 difficulty: Difficulty | None = None, seed: int = 0, operator: OperatorSimulator | None = None):
+        if group_size < 1 or prompts_per_step < 1 or concurrency < 1:
+            raise ValueError(f"{tenant}: group_size ({group_size}), prompts_per_step ({prompts_per_step}) and "
+                             f"concurrency ({concurrency}) must be >= 1")
+        self.tenant, self.agent, self.env, self.feedback = tenant, agent, env, feedback
+        self.group_size, self.prompts_per_step, self.concurrency = group_size, prompts_per_step, concurrency
+        self.difficulty, self.seed, self.operator = difficulty, seed, operator
+        self.steps_done = 0
+
+    def _group(self, problem: Problem) -> list[Rollout] | str:
+        group_id = f"{self.tenant}-{uuid.uuid4().hex[:16]}"
+        try:
+            traces = self.agent.run_group(list(problem.messages), self.group_size, group_id=group_id)
+        except AgentError as e:
+            log.warning("tenant %s: rollout group %s failed: %s", self.tenant, group_id, e)
+            return f"group {group_id}: {e}"
+        return [Rollout(problem, t, self.env.reward(problem, t.answer)) for t in traces]
+
+    def problems_for(self, step: int) -> list[Problem]:
+        """The training problems of step `step` (fixed by the traffic's seed)."""
+        return self.env.train_problems(self.prompts_per_step, seed=self.seed * 1_000_003 + step,
+                                       difficulty=self.difficulty)
+
+    def step(self) -> StepReport:
+        started = time.monotonic()
+        step = self.steps_done
+        problems = self.problems_for(step)
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(problems))) as pool:
+            results = list(pool.map(self._group, problems))
+        rollouts = [r for res in results if not isinstance(res, str) for r in res]
+        errors = tuple(res for res in results if isinstance(res, str))
+        rewards = [rec for r in rollouts for rec in reward_records(r, key=self.env.name)]
+        corrections = [rec for r in rollouts for rec in self.operator.review(r)] if self.operator else []
+        if rewards or corrections:
+            self.feedback.send_batch(rewards + corrections)
+        self.steps_done += 1
+        return StepReport(self.tenant, step, tuple(rollouts), len(rewards), len(corrections), errors,
+                          time.monotonic() - started)
+
+    def run(self, steps: int, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        reports = []
+        for _ in range(steps):
+            reports.append(self.step())
+            if on_step:
+                on_step(reports[-1])
+        return reports
+
+
+def run_tenants(traffic: Sequence[TenantTraffic], steps: int,
+                on_step: Callable[[StepReport], None] | None = None) -> dict[str, list[StepReport]]:
+    """Run every tenant's traffic for `steps` steps concurrently (one thread per tenant)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(traffic))) as pool:
+        futures = {t.tenant: pool.submit(t.run, steps, on_step) for t in traffic}
+        return {tenant: f.result() for tenant, f in futures.items()}
+
+
+def evaluate(agent: Agent, env: TaskEnv, problems: Sequence[Problem] | None = None, *,
+             concurrency: int = 4) -> float:
+    """Mean reward of greedy (temperature 0) episodes on `problems` (default: the held-out set)."""
+    greedy = dataclasses.replace(agent, temperature=0.0)
+    problems = list(problems if problems is not None else env.held_out())
+
+    def one(p: Problem) -> float:
+        return env.reward(p, greedy.run(list(p.messages)).answer)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        scores = list(pool.map(one, problems))
+    return sum(scores) / len(scores) if scores else 0.0

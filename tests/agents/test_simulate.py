@@ -1,0 +1,114 @@
+"""Traffic and operator simulators against the fake OpenAI server and the fake webhook."""
+
+import pytest
+
+from clora.agents.envs import ArithmeticEnv, StructuredEnv, SupportEnv
+from clora.agents.feedback import FeedbackClient
+from clora.agents.runtime import Agent
+from clora.agents.simulate import OperatorSimulator, TenantTraffic, evaluate, run_tenants, same_action
+
+from .fakes import oracle
+
+
+@pytest.fixture
+def feedback(fake_webhook):
+    with FeedbackClient(fake_webhook.url, "key-1", sleep=lambda s: None) as c:
+        yield c
+
+
+def test_step_runs_groups_and_sends_each_turn_its_episode_reward(fake_openai, openai_client, feedback, fake_webhook):
+    env = ArithmeticEnv()
+    traffic = TenantTraffic("acme", Agent(openai_client, "acme", env.tools), env, feedback,
+                            group_size=3, prompts_per_step=2, seed=1)
+    fake_openai.policy = oracle(env, traffic.problems_for(0))
+    report = traffic.step()
+
+    assert (report.tenant, report.step, len(report.rollouts), report.errors) == ("acme", 0, 6, ())
+    assert report.mean_reward == 1.0 and report.rewards_sent == 12 and report.corrections_sent == 0
+    sent = fake_webhook.accepted
+    turn_ids = [iid for r in report.rollouts for iid in r.trace.interaction_ids]
+    assert sorted(r.interaction_id for r in sent) == sorted(turn_ids)
+    assert {(r.source, r.score, r.key) for r in sent} == {("environment", 1.0, "arithmetic")}
+    assert all(r.event_id == f"env-{r.interaction_id}" for r in sent)
+    groups = {r.trace.group_id for r in report.rollouts}
+    assert len(groups) == 2 and all(g.startswith("acme-") for g in groups)
+    assert sorted(req["n"] for req in fake_openai.requests if "n" in req) == [3, 3]
+    assert traffic.problems_for(0) == ArithmeticEnv().train_problems(2, seed=1_000_003) and traffic.steps_done == 1
+
+
+def test_operator_corrects_wrong_answers_with_the_reference(fake_openai, openai_client, feedback, fake_webhook):
+    env = ArithmeticEnv()
+    fake_openai.policy = lambda body, i: "The answer is 3."
+    traffic = TenantTraffic("acme", Agent(openai_client, "acme", env.tools), env, feedback, group_size=2,
+                            prompts_per_step=2, operator=OperatorSimulator(env, share=1.0))
+    report = traffic.step()
+
+    assert report.mean_reward == 0.0 and report.rewards_sent == 4 and report.corrections_sent == 4
+    fixes = [r for r in fake_webhook.accepted if r.source == "operator"]
+    by_iid = {iid: r for r in report.rollouts for iid in r.trace.interaction_ids}
+    for fix in fixes:
+        problem = by_iid[fix.interaction_id].problem
+        call = fix.correction.tool_calls[0].function
+        assert fix.event_id == f"op-{fix.interaction_id}" and fix.key == "correction"
+        assert call.name == "calculator" and call.arguments == problem.reference[0]["tool_calls"][0]["function"][
+            "arguments"]
+
+
+def test_operator_share_and_right_turns_are_respected():
+    env = SupportEnv()
+    p = env.problem(1, "easy")
+    from clora.agents.runtime import EpisodeTrace, Turn
+    from clora.agents.simulate import Rollout
+
+    def rollout(iid, reply):
+        messages = (*p.messages, {"role": "assistant", "content": reply})
+        trace = EpisodeTrace(messages, (Turn(iid, 2, (), "stop", 1, 1),), reply, "reply")
+        return Rollout(p, trace, env.reward(p, reply))
+
+    wrong = [rollout(f"i-{k}", "Sure.") for k in range(200)]
+    assert sum(bool(OperatorSimulator(env, share=0.25, seed=3).review(r)) for r in wrong) in range(30, 71)
+    assert not any(OperatorSimulator(env, share=0.0).review(r) for r in wrong)
+    right = rollout("i-right", p.reference[0]["content"])
+    assert OperatorSimulator(env, share=1.0).review(right) == []
+    assert OperatorSimulator(env, share=1.0, only_wrong=False).review(right) == []  # already what it should be
+    fix = OperatorSimulator(env, share=1.0).review(wrong[0])[0]
+    assert fix.correction.content == p.reference[0]["content"] and fix.source == "operator"
+    with pytest.raises(ValueError, match="share must be in"):
+        OperatorSimulator(env, share=1.5)
+
+
+def test_same_action_ignores_ids_and_json_spacing():
+    a = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]}
+    b = {**a, "tool_calls": [{"id": "b", "type": "function",
+                              "function": {"name": "calculator", "arguments": '{"expression":"1+1"}'}}]}
+    c = {**a, "tool_calls": [{"id": "c", "type": "function",
+                              "function": {"name": "calculator", "arguments": '{"expression": "2"}'}}]}
+    assert same_action(a, b) and not same_action(a, c)
+
+
+def test_tenants_run_concurrently_and_failures_are_reported(fake_openai, openai_client, feedback, fake_webhook):
+    support, structured = SupportEnv(), StructuredEnv()
+    tenants = [TenantTraffic("t-support", Agent(openai_client, "t-support"), support, feedback, group_size=2),
+               TenantTraffic("t-struct", Agent(openai_client, "t-struct"), structured, feedback, group_size=2)]
+    policies = {t.tenant: oracle(t.env, t.problems_for(0) + t.problems_for(1)) for t in tenants}
+    fake_openai.policy = lambda body, i: policies[body["model"]](body, i)
+    seen = []
+    reports = run_tenants(tenants, steps=1, on_step=seen.append)
+    assert {t: [r.mean_reward for r in rs] for t, rs in reports.items()} == {"t-support": [1.0], "t-struct": [1.0]}
+    assert sorted(r.tenant for r in seen) == ["t-struct", "t-support"]
+    assert {r.key for r in fake_webhook.accepted} == {"support", "structured"}
+
+    fake_openai.fail_next = 1
+    report = tenants[0].step()
+    assert len(report.errors) == 1 and "failed" in report.errors[0] and len(report.rollouts) == 2
+
+
+def test_evaluate_scores_the_held_out_set_greedily(fake_openai, openai_client):
+    env = StructuredEnv()
+    held = env.held_out()[:4]
+    fake_openai.policy = oracle(env, held)
+    assert evaluate(Agent(openai_client, "acme"), env, held, concurrency=2) == 1.0
+    assert {r["temperature"] for r in fake_openai.requests} == {0.0}
+    fake_openai.policy = lambda body, i: "{}"
+    assert evaluate(Agent(openai_client, "acme"), env, held) == 0.0
