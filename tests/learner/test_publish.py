@@ -83,7 +83,8 @@ def test_process_killed_mid_publish_leaves_live_version_loadable(pub, tiny_model
     root = p.root
     script = textwrap.dedent(f"""
         import os, torch
-                from clora.learner.base_model import load_base_model
+        from clora.learner import peft_io  # noqa: F401
+        from clora.learner.base_model import load_base_model
         from clora.learner.lora import LoraModel, LoraSpec
         from clora.learner.publish import Publisher
         from tests.learner.helpers import FakeRegistry
