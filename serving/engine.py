@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from clora.serving.aliases import AdapterRef
-from clora.serving.replica import Replica, ReplicaError
+from clora.serving.replica import Replica, ReplicaError, cpu_build
 from clora.serving.residency import CapacityError
 from clora.serving.settings import EngineSettings
 from clora.serving.zero_adapter import ZERO_ADAPTER_NAME, write_zero_adapter
@@ -70,9 +70,7 @@ class EngineManager:
         """Set when base-model requests go through the all-zero adapter (CPU build)."""
         use_zero = settings.base_via_zero_adapter
         if use_zero is None:
-            import torch
-
-            use_zero = not torch.cuda.is_available()
+            use_zero = cpu_build() and settings.cpu_lora_ops == "vllm"
         if use_zero:
             folder = Path(tempfile.mkdtemp(prefix="clora-zero-adapter-"))
             write_zero_adapter(settings.model, folder)
@@ -215,23 +213,37 @@ class EngineManager:
     # --- health -------------------------------------------------------------------------
 
     async def _monitor_loop(self) -> None:
-        failures = {r.index: 0 for r in self.replicas}
+        """Health-check every replica; restart (in its own task) one whose process died or
+        that has not answered a health check for `hang_timeout_s` (a busy replica answers
+        slowly: that alone is not a reason to kill it)."""
+        last_ok = {r.index: time.monotonic() for r in self.replicas}
+        restarting: dict[int, asyncio.Task] = {}
         while not self._stopping:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.settings.health_interval_s)
             self._wake.clear()
             for r in self.replicas:
-                ok = r.alive() and await r.check_health(self.http)
-                failures[r.index] = 0 if ok else failures[r.index] + 1
-                if ok and not r.healthy:
-                    r.healthy = True  # a failure a request reported, which the health check refutes
-                dead = not r.alive() or failures[r.index] >= 3
-                if dead and self.settings.restart:
-                    try:
-                        await self._restart(r)
-                        failures[r.index] = 0
-                    except (ReplicaError, AdapterLoadError) as e:
-                        log.error("restarting replica %d failed (will retry): %s", r.index, e)
+                if r.index in restarting:
+                    continue
+                alive = r.alive()
+                if alive and await r.check_health(self.http):
+                    last_ok[r.index] = time.monotonic()
+                    r.healthy = True  # also refutes a failure a request reported
+                    continue
+                hung = alive and time.monotonic() - last_ok[r.index] > self.settings.hang_timeout_s
+                if not alive or hung:
+                    r.healthy = False
+                    if self.settings.restart:
+                        task = asyncio.create_task(self._restart(r), name=f"restart-replica-{r.index}")
+                        restarting[r.index] = task
+                        task.add_done_callback(lambda t, i=r.index: self._restarted(restarting, last_ok, i, t))
+
+    def _restarted(self, restarting: dict, last_ok: dict, index: int, task: asyncio.Task) -> None:
+        restarting.pop(index, None)
+        last_ok[index] = time.monotonic()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("restarting replica %d failed (will retry): %s", index, task.exception())
+        self._wake.set()
 
     async def _restart(self, r: Replica) -> None:
         r.healthy = False

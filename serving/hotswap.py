@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import redis
 from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
@@ -66,22 +67,24 @@ class HotSwapper:
             ref = self.aliases.get(tenant)
         return ref
 
-    def _read_live(self, tenant: str) -> AdapterRef | None:
+    def _read_live(self, tenant: str, current: AdapterRef | None) -> AdapterRef | None:
         version = self.registry.live_version(tenant)
         if version is None:
             return None
+        if current is not None and current.version == version:
+            return current  # unchanged: one Redis read per tenant and poll
         av = self.registry.adapter_version(tenant, version)
         return AdapterRef(tenant, av.version, av.path)
 
     async def reconcile(self, tenant: str) -> None:
         async with self._locks[tenant]:
             started = time.time()
+            old = self.aliases.get(tenant)
             try:
-                new = await asyncio.to_thread(self._read_live, tenant)
+                new = await asyncio.to_thread(self._read_live, tenant, old)
             except RegistryError as e:
                 log.error("reading tenant %s's live adapter failed: %s", tenant, e)
                 return
-            old = self.aliases.get(tenant)
             if new == old:
                 return
             if new is not None:
@@ -101,16 +104,18 @@ class HotSwapper:
                 task.add_done_callback(self._retiring.discard)
 
     async def run(self) -> None:
-        """Poll the registry until cancelled."""
+        """Poll the registry until cancelled. A Redis outage delays swaps; it never ends the loop."""
         last_refresh = 0.0
         while True:
-            if time.monotonic() - last_refresh > self.refresh_s:
-                with contextlib.suppress(RegistryError):
+            try:
+                if time.monotonic() - last_refresh > self.refresh_s:
                     tenants = await asyncio.to_thread(self.registry.list_tenants)
                     self._known |= {t.id for t in tenants}
-                last_refresh = time.monotonic()
-            for tenant in list(self._known):
-                await self.reconcile(tenant)
+                    last_refresh = time.monotonic()
+                for tenant in list(self._known):
+                    await self.reconcile(tenant)
+            except (RegistryError, redis.RedisError) as e:
+                log.warning("registry poll failed (retrying): %s", e)
             await asyncio.sleep(self.poll_s)
 
     def start(self) -> None:

@@ -22,8 +22,16 @@ import httpx
 
 from clora.serving.residency import ResidentSet
 from clora.serving.settings import EngineSettings
+from clora.serving.vllm_launch import write_site_hook
 
 log = logging.getLogger(__name__)
+
+
+def cpu_build() -> bool:
+    """True when vLLM will run on CPU (no CUDA device visible to torch)."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 class ReplicaError(RuntimeError):
@@ -67,11 +75,18 @@ class Replica:
         return argv + list(s.extra_args)
 
     def env(self) -> dict[str, str]:
+        ops = self.settings.cpu_lora_ops == "clora" and cpu_build()
+        extra = {}
+        if ops:
+            hook = write_site_hook(Path(self.settings.log_dir) / "vllm-site")
+            extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook.resolve()), os.environ.get("PYTHONPATH")) if p)
         return {
             **os.environ,
+            **extra,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kvcache_space_gib),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.settings.reserved_cpus),
+            "CLORA_VLLM_CPU_LORA_OPS": "1" if ops else "0",
         }
 
     def spawn(self) -> None:

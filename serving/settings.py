@@ -46,13 +46,19 @@ class EngineSettings(BaseSettings):
     tool_call_parser: str = "hermes"
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which logprobs vLLM returns (and interaction events carry)."""
+    cpu_lora_ops: Literal["clora", "vllm"] = "clora"
+    """CPU build only: "clora" starts replicas with the hook of `clora.serving.vllm_launch`,
+    which swaps in grouped LoRA ops (`serving/vllm_cpu_lora.py`: faster multi-LoRA, base rows stay base);
+    "vllm" keeps vLLM's own ops."""
     base_via_zero_adapter: bool | None = None
     """Serve base-model requests through an all-zero adapter (see `serving/zero_adapter.py`:
     works around vLLM's CPU LoRA ops applying the last slot's adapter to base rows in mixed
-    batches). None: on when CUDA is not available."""
+    batches). None: on when running vLLM's own CPU ops (`cpu_lora_ops="vllm"` without CUDA)."""
     extra_args: list[str] = Field(default_factory=list)
     start_timeout_s: float = Field(default=300.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+    hang_timeout_s: float = Field(default=60.0, gt=0)
+    """A live replica that has not answered a health check for this long is restarted."""
     restart: bool = True
     """Restart a replica that died or stopped answering health checks."""
     log_dir: Path = Path(".clora/logs")

@@ -1,0 +1,92 @@
+"""EngineManager routing, LRU residency and drain logic against a fake vLLM (httpx mock
+transport): no processes are started."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from clora.serving.aliases import AdapterRef
+from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
+from clora.serving.settings import EngineSettings
+
+
+def _engine(tmp_path, cap: int, calls: list) -> EngineManager:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = request.read().decode()
+        calls.append((request.url.path, body))
+        return httpx.Response(200, text="ok")
+
+    es = EngineSettings(model=str(tmp_path), ports=[1], max_loras=1, max_cpu_loras=cap, base_via_zero_adapter=False,
+                        log_dir=tmp_path)
+    eng = EngineManager(es, adapter_wait_s=0.5)
+    eng.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    for r in eng.replicas:
+        r.healthy = True
+    return eng
+
+
+def test_lru_load_on_demand_evicts_idle_and_never_pinned(tmp_path):
+    async def run():
+        calls: list = []
+        eng = _engine(tmp_path, 2, calls)
+        a, b, c = (AdapterRef(t, 1, f"/{t}") for t in "abc")
+        async with eng.lease(a) as lease:
+            assert lease.model == "a@v1"
+            async with eng.lease(b):
+                # both slots pinned: c waits for a slot and then gives up with both numbers
+                with pytest.raises(AdapterLoadError, match="2 resident adapters"):
+                    async with eng.lease(c):
+                        pass
+        async with eng.lease(a):
+            pass
+        async with eng.lease(c):  # b is now the least recently used idle adapter
+            pass
+        assert eng.resident_names()[0] == ["a@v1", "c@v1"]
+        unloaded = [body for p, body in calls if p == "/v1/unload_lora_adapter"]
+        assert len(unloaded) == 1 and "b@v1" in unloaded[0]
+        async with eng.lease(b):  # evicted, then asked for again: reloaded, not refused
+            pass
+        assert "b@v1" in eng.resident_names()[0]
+        await eng.http.aclose()
+
+    asyncio.run(run())
+
+
+def test_retire_waits_for_in_flight_requests(tmp_path):
+    async def run():
+        calls: list = []
+        eng = _engine(tmp_path, 4, calls)
+        old = AdapterRef("a", 1, "/a1")
+        release = asyncio.Event()
+
+        async def in_flight():
+            async with eng.lease(old):
+                await release.wait()
+
+        task = asyncio.create_task(in_flight())
+        await asyncio.sleep(0.05)
+        retire = asyncio.create_task(eng.retire(old, drain_timeout_s=30))
+        await asyncio.sleep(0.3)
+        assert not retire.done() and "a@v1" in eng.resident_names()[0]
+        release.set()
+        await asyncio.wait_for(retire, 5)
+        await task
+        assert "a@v1" not in eng.resident_names()[0]
+        await eng.http.aclose()
+
+    asyncio.run(run())
+
+
+def test_no_healthy_replica_is_unavailable(tmp_path):
+    async def run():
+        eng = _engine(tmp_path, 2, [])
+        eng.replicas[0].healthy = False
+        with pytest.raises(EngineUnavailable, match="0 of 1"):
+            async with eng.lease(None):
+                pass
+        await eng.http.aclose()
+
+    asyncio.run(run())
