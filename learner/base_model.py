@@ -23,19 +23,17 @@ from pathlib import Path
 
 import torch
 
+from clora.infra.chat_template import TOOL_CHAT_TEMPLATE
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-"""The template SmolLM2 ships (minus its default system prompt); the tiny test model uses it too."""
+PREPARED_NAME = "smollm2-135m-instruct-tools"
+"""Folder of the converted model under the cache dir; the suffix marks the tool-aware chat
+template (a folder prepared with another template is never reused)."""
 
 
 class BaseModelError(RuntimeError):
@@ -68,7 +66,7 @@ def prepare_base_model(source: str | Path = DEFAULT_SOURCE, cache_dir: Path | st
         if not _is_model_dir(path):
             raise BaseModelError(f"base model {path} is not a HF model directory (config.json + *.safetensors)")
         return path
-    target = Path(cache_dir) / "smollm2-135m-instruct"
+    target = Path(cache_dir) / PREPARED_NAME
     if _is_model_dir(target):
         return target
     gguf = smollm2_gguf_path()
@@ -107,8 +105,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     missing = [k for k in missing if k != "lm_head.weight" or not clean.config.tie_word_embeddings]
     if missing or unexpected:
         raise BaseModelError(f"GGUF weights do not match the Llama config: missing={missing[:5]} unexpected={unexpected[:5]}")
-    if tok.chat_template is None:
-        tok.chat_template = CHATML_TEMPLATE
+    tok.chat_template = TOOL_CHAT_TEMPLATE   # renders `tools`; without tools it is plain ChatML
     out.mkdir(parents=True)
     clean.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -155,7 +152,7 @@ def _byte_level_tokenizer():
         pad_token="<|endoftext|>", unk_token="<|endoftext|>",
         additional_special_tokens=list(TINY_SPECIALS),
     )
-    tok.chat_template = CHATML_TEMPLATE
+    tok.chat_template = TOOL_CHAT_TEMPLATE
     return tok
 
 

@@ -3,13 +3,13 @@
 A conversation is rendered with the tokenizer's chat template; the prompt part (everything
 up to and including the assistant header `<|im_start|>assistant\n`) and the completion are
 tokenized separately and concatenated, exactly as the serving engine sees a prompt followed
-by generated tokens. Only completion tokens carry loss. Tools are not rendered: SmolLM2's
-template ignores them; assistant tool calls become `<tool_call>{json}</tool_call>` text.
+by generated tokens. Only completion tokens carry loss. The template is the tool-aware one
+(`clora.infra.chat_template`): `tools` and assistant tool calls render exactly as vLLM
+renders them for serving.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +53,8 @@ class Sequence:
 
 
 def message_dict(m: Message) -> dict:
-    content = m.content or ""
-    for call in m.tool_calls or ():
-        body = json.dumps({"name": call.function.name, "arguments": call.function.arguments})
-        content += ("\n" if content else "") + f"<tool_call>{body}</tool_call>"
-    return {"role": m.role, "content": content}
+    """The OpenAI-shaped dict the chat template renders (as vLLM passes it)."""
+    return m.model_dump(exclude_none=True)
 
 
 class ChatEncoder:
@@ -73,10 +70,10 @@ class ChatEncoder:
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def encode(self, messages: list[Message], completion: Message) -> Sequence:
+    def encode(self, messages: list[Message], completion: Message, tools: list[dict] | None = None) -> Sequence:
         msgs = [message_dict(m) for m in messages]
-        prompt = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        full = self.tok.apply_chat_template(msgs + [message_dict(completion)], tokenize=False)
+        prompt = self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+        full = self.tok.apply_chat_template(msgs + [message_dict(completion)], tools=tools, tokenize=False)
         if not full.startswith(prompt):
             raise ValueError("chat template does not render the prompt as a prefix of the conversation")
         completion_text = full[len(prompt):].rstrip("\n")  # ends with the end-of-turn token
@@ -86,7 +83,7 @@ class ChatEncoder:
         if s.prompt_token_ids and s.completion_token_ids:
             return Sequence(list(s.prompt_token_ids), list(s.completion_token_ids),
                             list(s.behaviour_logprobs) if s.behaviour_logprobs else None)
-        seq = self.encode(s.messages, s.response)
+        seq = self.encode(s.messages, s.response, s.tools)
         return seq  # no serving-time token ids: behaviour = current policy (on-policy)
 
     def collate(self, seqs: list[Sequence]) -> TokenBatch:
@@ -113,12 +110,12 @@ class ChatEncoder:
         return TokenBatch(ids, att, mask, blp if any_blp else None)
 
     def sft(self, examples: list[SFTExample]) -> TokenBatch:
-        return self.collate([self.encode(e.messages, e.target) for e in examples])
+        return self.collate([self.encode(e.messages, e.target, e.tools) for e in examples])
 
     def preference(self, pairs: list[PreferencePair]) -> tuple[TokenBatch, TokenBatch]:
         """(chosen, rejected), row i of each from pair i."""
-        return (self.collate([self.encode(p.messages, p.chosen) for p in pairs]),
-                self.collate([self.encode(p.messages, p.rejected) for p in pairs]))
+        return (self.collate([self.encode(p.messages, p.chosen, p.tools) for p in pairs]),
+                self.collate([self.encode(p.messages, p.rejected, p.tools) for p in pairs]))
 
     def rl(self, samples: list[RLSample]) -> TokenBatch:
         return self.collate([self.encode_rl(s) for s in samples])

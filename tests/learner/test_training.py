@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clora.ingest.schemas import Message
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder
 from clora.learner.losses import token_logprobs
@@ -102,3 +103,24 @@ def test_validation_of_policies():
         TrainingPolicy(learning_rate=0)
     with pytest.raises(ValidationError):
         TrainingPolicy(rl_clip_eps=1.5)
+
+
+def test_tool_calls_encode_as_the_serving_template_renders_them(tmp_path):
+    """The learner tokenizes a tool-use correction exactly as vLLM renders it (same template):
+    prompt tokens + completion tokens == tokens of the template's full rendering."""
+    from clora.infra.chat_template import render
+    from clora.learner.base_model import load_base_model, make_tiny_model
+    from clora.learner.batches import ChatEncoder
+
+    _, tok = load_base_model(make_tiny_model(tmp_path / "tiny"))
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "math",
+                                               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    prompt = [Message(role="system", content="Use tools."), Message(role="user", content="17*3?")]
+    call = Message(role="assistant", tool_calls=[{"id": "c1", "function": {"name": "calculator",
+                                                                          "arguments": '{"expression": "17*3"}'}}])
+    seq = ChatEncoder(tok).encode(prompt, call, tools)
+    text = render([m.model_dump(exclude_none=True) for m in prompt + [call]], tools)
+    assert tok.decode(seq.prompt_ids + seq.completion_ids) == text.rstrip("\n")
+    completion = tok.decode(seq.completion_ids)
+    assert completion == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*3"}}\n</tool_call><|im_end|>'
+    assert "<tools>" in tok.decode(seq.prompt_ids)
