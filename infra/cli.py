@@ -154,6 +154,17 @@ def ingest_worker(client_id: str = typer.Option("clora-ingest", help="Consumer c
     main(IngestSettings(), bootstrap, redis_url, client_id=client_id)
 
 
+@app.command("learner")
+def learner(log_level: str = "INFO"):
+    """Run the learner: trains every tenant's adapter from its replay buffer, publishes versions."""
+    from clora.learner.process import main
+    from clora.learner.settings import LearnerSettings
+
+    _logging(log_level)
+    bootstrap, redis_url = _urls()
+    main(LearnerSettings(), bootstrap, redis_url)
+
+
 @app.command("up")
 def up(log_level: str = "INFO"):
     """Run the whole platform on this machine until Ctrl-C."""

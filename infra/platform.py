@@ -9,6 +9,7 @@ Services other than the broker and Redis run as supervised child processes of th
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -42,19 +43,33 @@ class Platform:
             ensure_topics(self.stack.kafka_bootstrap, BrokerSettings().partitions)
             env = {"CLORA_KAFKA_BOOTSTRAP": self.stack.kafka_bootstrap, "CLORA_REDIS_URL": self.stack.redis_url,
                    "CLORA_DATA_DIR": str(self.settings.data_dir)}
+            env.update(self._learner_dirs())
             logs = self.settings.logs_dir
-            wh = WebhookSettings()
-            self._add(service_process("webhook", ["webhook"], env, logs, lambda: port_open(wh.host, wh.port)))
-            con = ConsoleSettings()
-            self._add(service_process("console", ["console"], env, logs, lambda: port_open(con.host, con.port)))
-            for i in range(IngestSettings().workers):
-                worker_env = env if i == 0 else {**env, "CLORA_INGEST_METRICS_PORT": "0"}
-                self._add(service_process(f"ingest-{i}", ["ingest-worker", "--client-id", f"clora-ingest-{i}"],
-                                          worker_env, logs))
+            wanted = set(self.settings.services)
+            if "webhook" in wanted:
+                wh = WebhookSettings()
+                self._add(service_process("webhook", ["webhook"], env, logs, lambda: port_open(wh.host, wh.port)))
+            if "console" in wanted:
+                con = ConsoleSettings()
+                self._add(service_process("console", ["console"], env, logs, lambda: port_open(con.host, con.port)))
+            if "ingest" in wanted:
+                for i in range(IngestSettings().workers):
+                    worker_env = env if i == 0 else {**env, "CLORA_INGEST_METRICS_PORT": "0"}
+                    self._add(service_process(f"ingest-{i}", ["ingest-worker", "--client-id", f"clora-ingest-{i}"],
+                                              worker_env, logs))
+            if "learner" in wanted:
+                self._add(service_process("learner", ["learner"], env, logs))
         except Exception:
             self.stop()
             raise
         return self
+
+    def _learner_dirs(self) -> dict[str, str]:
+        """Learner folders under the platform's data dir, unless set explicitly."""
+        data = self.settings.data_dir.resolve()
+        dirs = {"CLORA_LEARNER_MODELS_DIR": data / "models", "CLORA_LEARNER_ADAPTERS_DIR": data / "adapters",
+                "CLORA_LEARNER_CHECKPOINTS_DIR": data / "learner" / "checkpoints"}
+        return {k: str(v) for k, v in dirs.items() if k not in os.environ}
 
     def _add(self, proc: ManagedProcess) -> None:
         self.services[proc.name] = proc.start()

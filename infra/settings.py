@@ -33,7 +33,11 @@ class PlatformSettings(BaseSettings):
     """`redis://host:port/db` of an external Redis. Unset: start the embedded Redis."""
 
     admin_token: str | None = None
-    """Token for the control-plane API and console. Unset: generated and printed by `clora up`."""
+    """Token for the control-plane API and console. Unset: generated into `<data_dir>/admin_token`."""
+
+    services: list[Literal["webhook", "ingest", "console", "learner", "serving"]] = Field(
+        default_factory=lambda: ["webhook", "ingest", "console", "learner", "serving"])
+    """Which services `clora up` starts besides the broker and Redis (JSON list in the env)."""
 
     @property
     def logs_dir(self) -> Path:

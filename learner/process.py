@@ -137,6 +137,7 @@ class Learner:
             return None
         result = self.trainer.train_step(tid, examples, policy, prefetch=self.scheduler.peek_next(views, after=tid))
         st.cursor = max(st.cursor, batch.cursor)
+        _widen_window(st.extras, [e.time for e in examples])
         self._dirty.add(tid)
         self.scheduler.record(tid, result.seconds)
         m = self.metrics
@@ -147,6 +148,9 @@ class Learner:
         self._exposed_seen = self.store.stats.exposed_s
         log.info("trained %s step %d: loss %.4f, %d examples, %d tokens, %.2fs", tid, result.step, result.loss,
                  result.examples, result.tokens, result.seconds)
+        rewards = [e.reward for e in examples if e.kind == "rl"]
+        self._history(tid, {"step": result.step, "loss": result.loss, "examples": result.examples,
+                            "seconds": result.seconds, "reward": sum(rewards) / len(rewards) if rewards else None})
         if st.step % self.s.publish_every == 0:
             self.evaluate_and_publish(tid, policy)
         elif st.step % self.s.checkpoint_every == 0:
@@ -176,13 +180,27 @@ class Learner:
             log.info("not publishing %s step %d: %s", tenant, st.step, decision.reason)
             self.metrics.publishes.labels(tenant, "rejected").inc()
             return None
+        window = st.extras.get("feedback_window")
         version = self.publisher.publish(tenant, st.master.clone(), step=st.step, examples_seen=st.examples_seen,
-                                         eval_scores=scores, parent_version=live[0] if live else None)
+                                         eval_scores=scores, parent_version=live[0] if live else None,
+                                         feedback_window=tuple(window) if window else None)
         st.extras["last_published_version"] = version.version
+        st.extras.pop("feedback_window", None)            # the next version's window starts here
+        self._history(tenant, {"step": st.step, "eval": scores.get("eval_loss"), "version": version.version})
         self.checkpoint(tenant)
         self.metrics.publishes.labels(tenant, "published").inc()
         log.info("published %s v%d (%s)", tenant, version.version, decision.reason)
         return version
+
+    def _history(self, tenant: str, point: dict) -> None:
+        """Append to the tenant's metrics history (the console plots it). Never fails a step."""
+        append = getattr(self.registry, "append_metrics", None)
+        if append is None:
+            return
+        try:
+            append(tenant, point)
+        except Exception:  # noqa: BLE001 - a console metric must not stop training; logged
+            log.exception("could not record metrics for %s", tenant)
 
     def run_forever(self, stop: threading.Event) -> None:
         """Tick until `stop` is set; then checkpoint every tenant trained since its last checkpoint."""
@@ -199,6 +217,14 @@ class Learner:
             self.checkpoint(tenant)
         self.store.close()
         log.info("learner stopped")
+
+
+def _widen_window(extras: dict, times: list[float]) -> None:
+    """Track (first, last) feedback time of the examples trained since the last publish."""
+    if not times:
+        return
+    lo, hi = extras.get("feedback_window", (min(times), max(times)))
+    extras["feedback_window"] = [min(lo, *times), max(hi, *times)]
 
 
 def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str) -> None:

@@ -23,7 +23,8 @@ def test_clora_up_runs_and_stops_cleanly(tmp_path, wait_for):
     ports = {k: free_port() for k in ("CLORA_BROKER_PORT", "CLORA_REDIS_PORT", "CLORA_WEBHOOK_PORT",
                                       "CLORA_INGEST_METRICS_PORT")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
-    env.update({k: str(v) for k, v in ports.items()}, CLORA_DATA_DIR=str(tmp_path / "data"))
+    env.update({k: str(v) for k, v in ports.items()}, CLORA_DATA_DIR=str(tmp_path / "data"),
+               CLORA_SERVICES='["webhook", "ingest", "console"]', CLORA_CONSOLE_PORT=str(free_port()))
     clora = [sys.executable, "-m", "clora.infra.cli"]
     up = subprocess.Popen([*clora, "up"], env=env, stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT)
     try:
