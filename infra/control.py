@@ -226,8 +226,16 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
 
     @api.get("/tenants/{tenant_id}/feedback", dependencies=[Depends(admin)])
     def tenant_feedback(tenant_id: str, n: int = 50):
+        """Recent feedback, each with the interaction it is about (when it is still stored)."""
         tenant_or_404(tenant_id)
-        return {"feedback": buffers.recent_feedback(tenant_id, max(1, min(n, 200)))}
+        feedback = buffers.recent_feedback(tenant_id, max(1, min(n, 200)))
+        interactions = buffers.interactions(tenant_id, [f["interaction_id"] for f in feedback])
+        for f, ix in zip(feedback, interactions):
+            f["interaction"] = None if ix is None else {
+                "prompt": ix.messages[-1].content, "response": ix.response.content,
+                "tool_calls": [c.function.model_dump() for c in ix.response.tool_calls or []],
+                "adapter": ix.adapter, "adapter_version": ix.adapter_version, "time": ix.time}
+        return {"feedback": feedback}
 
     @api.get("/tenants/{tenant_id}/metrics", dependencies=[Depends(admin)])
     def tenant_metrics(tenant_id: str, n: int = 500):

@@ -265,6 +265,15 @@ class ReplayBuffer:
     def recent_feedback(self, tenant: str, n: int = 50) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(tkey(tenant, "recent"), 0, n - 1)]
 
+    def interactions(self, tenant: str, interaction_ids: list[str]) -> list:
+        """Stored interactions (None where expired or never seen), in the order asked."""
+        from clora.ingest.schemas import InteractionEvent
+
+        if not interaction_ids:
+            return []
+        raws = self.r.mget([tkey(tenant, "ix", i) for i in interaction_ids])
+        return [None if raw is None else InteractionEvent.model_validate_json(raw) for raw in raws]
+
     def heldout(self, tenant: str, kind: Kind, n: int | None = None) -> list:
         """Held-out examples, oldest first (all of them when n is None)."""
         ids = self.r.zrange(tkey(tenant, "held", kind), 0, -1 if n is None else n - 1)

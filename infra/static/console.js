@@ -64,12 +64,18 @@ function lineChart(series, { width = 420, height = 160, title = "" } = {}) {
   root.append(svg("line", { x1: pad, y1: height - pad + 8, x2: width - pad, y2: height - pad + 8, stroke: "#35506e" }));
   root.append(Object.assign(svg("text", { x: 2, y: sy(y1) + 4 }), { textContent: fmtNum(y1, 2) }));
   root.append(Object.assign(svg("text", { x: 2, y: sy(y0) }), { textContent: fmtNum(y0, 2) }));
+  if (height > 60) {  // x range (step numbers) under the axis
+    root.append(Object.assign(svg("text", { x: pad, y: height - 4 }), { textContent: "step " + x0 }));
+    root.append(Object.assign(svg("text", { x: width - pad - 40, y: height - 4 }), { textContent: "step " + x1 }));
+  }
   series.forEach((s, i) => {
     const ok = s.points.filter(p => p[1] !== null && p[1] !== undefined);
     if (!ok.length) return;
     const d = ok.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
     root.append(svg("path", { d, class: "line", stroke: s.color }));
-    root.append(Object.assign(svg("text", { x: width - pad - 60, y: 12 + 12 * i, fill: s.color }), { textContent: s.name }));
+    if (series.length > 1) {
+      root.append(Object.assign(svg("text", { x: width - pad - 60, y: 12 + 12 * i, fill: s.color }), { textContent: s.name }));
+    }
   });
   return root;
 }
@@ -161,7 +167,7 @@ async function renderTenant(id, first) {
   const series = (key, color) => ({ name: key, color, points: pts.map(p => [p.step ?? p.time, p[key]]) });
   document.getElementById("chart-reward").replaceChildren(lineChart([series("reward", "#3fb950")], { title: "reward" }));
   document.getElementById("chart-loss").replaceChildren(lineChart([series("loss", "#f85149")], { title: "training loss" }));
-  document.getElementById("chart-eval").replaceChildren(lineChart([series("eval", "#4fb0ff")], { title: "held-out score" }));
+  document.getElementById("chart-eval").replaceChildren(lineChart([series("eval", "#4fb0ff")], { title: "held-out loss (lower is better)" }));
   document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },
     el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "feedback window", "created", ""].map(h => el("th", {}, h)))),
     el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },
@@ -182,9 +188,14 @@ async function renderTenant(id, first) {
       el("button", { id: "new-key-btn", onclick: () => keyAction(api(`/tenants/${enc}/keys`, { method: "POST" })) }, "new key"), " ",
       el("button", { onclick: () => keyAction(api(`/tenants/${enc}/keys/rotate`, { method: "POST" })) }, "rotate (revoke all others)"))))));
   document.getElementById("feedback-slot").replaceChildren(el("table", { id: "feedback" },
-    el("thead", {}, el("tr", {}, ["time", "interaction", "source", "key", "score", "comment", "correction"].map(h => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ["time", "interaction", "prompt → answer (version)", "source", "key", "score", "comment", "correction"].map(h => el("th", {}, h)))),
     el("tbody", {}, feedback.feedback.map(f => el("tr", {},
-      el("td", {}, fmtTime(f.time)), el("td", { class: "mono" }, f.interaction_id), el("td", {}, f.source),
+      el("td", {}, fmtTime(f.time)), el("td", { class: "mono" }, f.interaction_id),
+      el("td", { class: "interaction" }, f.interaction
+        ? `${f.interaction.prompt ?? ""} → ${f.interaction.response ?? f.interaction.tool_calls.map(c => c.name + "(" + c.arguments + ")").join(" ")}` +
+          (f.interaction.adapter_version === null ? " (base)" : ` (v${f.interaction.adapter_version})`)
+        : "(interaction not seen yet)"),
+      el("td", {}, f.source),
       el("td", {}, f.key ?? ""), el("td", {}, fmtNum(f.score, 2)), el("td", { class: "comment" }, f.comment ?? ""),
       el("td", {}, f.correction ?? ""))))));
   document.getElementById("buffers-slot").replaceChildren(

@@ -100,6 +100,7 @@ def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker
     assert r.status_code == 202
     page.wait_for_selector("#buffer-depth:not(:has-text('rl 0'))", timeout=30_000)
     page.wait_for_selector("#feedback td.comment:has-text('ok 29')", timeout=10_000)
+    page.wait_for_selector("#feedback td.interaction:has-text('hi → yo (base)')", timeout=10_000)
     shot(page, "tenant-feedback")
 
 
