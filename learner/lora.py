@@ -146,6 +146,9 @@ class LoraBank:
         self.params: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.enabled = True
         self.dropout_generator: torch.Generator | None = None
+        self.fused = None
+        """A `clora.learner.fused_batch.FusedBinding` during a fused multi-tenant forward (then it
+        takes precedence over `params`), else None."""
 
 
 class LoraLinear(nn.Module):
@@ -164,7 +167,11 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in)
         y = self.base(x)  # (..., out)
         bank = self.bank
-        if not bank.enabled or bank.params is None:
+        if not bank.enabled:
+            return y
+        if bank.fused is not None:  # several tenants in one batch: the segmented kernels
+            return y + bank.fused.delta(self.index, x, self.training).to(y.dtype)
+        if bank.params is None:
             return y
         a, b = bank.params[self.index]  # (r, in), (out, r)
         if bank.spec.dropout > 0 and self.training:

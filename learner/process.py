@@ -8,6 +8,10 @@ shutdown; on start every checkpoint is restored, so a crash loses at most the st
 the last checkpoint. Version numbers come from the registry and the adapters folder, never
 from the checkpoint, so they never go back.
 
+With `training_mode="fused"` a tick instead asks the scheduler for up to `fused_max_tenants`
+tenants and trains them all in one fused step (`clora.learner.fused`); a fused tenant is
+written back to the store before it is evaluated, published or checkpointed.
+
 Run: `main(LearnerSettings(), kafka_bootstrap="host:9092", redis_url="redis://host:6379/0")`
 until SIGTERM/SIGINT. Tests build a `Learner` directly with fakes.
 """
@@ -27,6 +31,7 @@ from clora.learner.adapter_store import AdapterCapacityError, AdapterStore
 from clora.learner.batches import ChatEncoder
 from clora.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from clora.learner.evaluate import GateDecision, gate
+from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.publish import Publisher
@@ -64,6 +69,8 @@ class Learner:
                                   max_tenants=settings.max_tenants, max_host_bytes=settings.max_host_bytes)
         self.trainer = Trainer(self.model, ChatEncoder(tokenizer, settings.max_seq_len), self.store,
                                TrainerConfig(micro_batch_size=settings.micro_batch_size, max_seq_len=settings.max_seq_len))
+        self.fused = (FusedTrainer(self.trainer, settings.fused_max_tenants, settings.fused_backend)
+                      if settings.training_mode == "fused" else None)
         self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout)
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
         self._rejected: set[str] = set()
@@ -84,7 +91,13 @@ class Learner:
             log.info("restored %d tenant checkpoints: %s", len(restored), restored)
         return restored
 
+    def _sync(self, tenant: str) -> None:
+        """In fused mode: write the tenant's fused copy back, so the store holds its newest state."""
+        if self.fused is not None and self.fused.slots.slot_of(tenant) is not None:
+            self.fused.flush([tenant])
+
     def checkpoint(self, tenant: str) -> None:
+        self._sync(tenant)
         save_checkpoint(self.s.checkpoints_dir, self.store.state(tenant), self.model.layout.numel)
         self._dirty.discard(tenant)
 
@@ -117,13 +130,53 @@ class Learner:
     # --- the loop -------------------------------------------------------------------------
 
     def tick(self) -> str | None:
-        """One scheduling decision and at most one training step. Returns the tenant trained."""
+        """One scheduling decision and at most one training step. Returns the tenant trained
+        (in fused mode the first of the fused step's tenants; `tick_fused` returns them all)."""
+        if self.fused is not None:
+            trained = self.tick_fused()
+            return trained[0] if trained else None
         views, tenants = self._views()
         decision = self.scheduler.pick(views)
         if decision.tenant is None:
             return None
         tid = decision.tenant
         policy = self.policy(tenants[tid])
+        batch, examples = self._sample(tid, policy)
+        if not examples:
+            self.scheduler.record(tid, 0.0)
+            return None
+        result = self.trainer.train_step(tid, examples, policy, prefetch=self.scheduler.peek_next(views, after=tid))
+        self.metrics.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - getattr(self, "_exposed_seen", 0.0)))
+        self._exposed_seen = self.store.stats.exposed_s
+        self._after_step(tid, policy, batch, examples, result)
+        return tid
+
+    def tick_fused(self) -> tuple[str, ...]:
+        """Fused mode: up to `fused_max_tenants` tenants, one fused step. Returns those trained."""
+        if self.fused is None:
+            raise RuntimeError("tick_fused needs training_mode='fused'")
+        views, tenants = self._views()
+        decision = self.scheduler.pick_group(views, self.fused.max_tenants)
+        work, sampled = [], {}
+        for tid in decision.tenants:
+            policy = self.policy(tenants[tid])
+            batch, examples = self._sample(tid, policy)
+            if not examples:
+                self.scheduler.record(tid, 0.0)
+                continue
+            work.append(TenantWork(tid, examples, policy))
+            sampled[tid] = batch
+        if not work:
+            return ()
+        fused = self.fused.train_step(work)
+        self.metrics.swap_exposed.inc(fused.swap_s)
+        results = {r.tenant: r for r in fused.results}
+        for w in work:
+            self._after_step(w.tenant, w.policy, sampled[w.tenant], w.examples, results[w.tenant])
+        return tuple(r.tenant for r in fused.results)
+
+    def _sample(self, tid: str, policy: TrainingPolicy):
+        """(buffer sample, the examples of the policy's kind) for one step of `tid`."""
         kind = EXAMPLE_KIND[policy.algorithm]
         st = self.store.peek(tid)
         gen = st.generator()
@@ -131,11 +184,11 @@ class Learner:
         st.save_generator(gen)
         batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor,
                                    fresh_fraction=self.s.fresh_fraction, seed=seed)
-        examples = [e for e in batch.examples if e.kind == kind]
-        if not examples:
-            self.scheduler.record(tid, 0.0)
-            return None
-        result = self.trainer.train_step(tid, examples, policy, prefetch=self.scheduler.peek_next(views, after=tid))
+        return batch, [e for e in batch.examples if e.kind == kind]
+
+    def _after_step(self, tid: str, policy: TrainingPolicy, batch, examples: list, result) -> None:
+        """Bookkeeping after a tenant's step: cursor, lineage window, metrics, history, publish/checkpoint."""
+        st = self.store.peek(tid)
         st.cursor = max(st.cursor, batch.cursor)
         _widen_window(st.extras, [e.time for e in examples])
         self._dirty.add(tid)
@@ -144,8 +197,6 @@ class Learner:
         m.steps.labels(tid, policy.algorithm).inc()
         m.tokens.labels(tid).inc(result.tokens)
         m.loss.labels(tid).set(result.loss)
-        m.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - getattr(self, "_exposed_seen", 0.0)))
-        self._exposed_seen = self.store.stats.exposed_s
         log.info("trained %s step %d: loss %.4f, %d examples, %d tokens, %.2fs", tid, result.step, result.loss,
                  result.examples, result.tokens, result.seconds)
         rewards = [e.reward for e in examples if e.kind == "rl"]
@@ -155,11 +206,11 @@ class Learner:
             self.evaluate_and_publish(tid, policy)
         elif st.step % self.s.checkpoint_every == 0:
             self.checkpoint(tid)
-        return tid
 
     def evaluate_and_publish(self, tenant: str, policy: TrainingPolicy):
         """Gate the tenant's current adapter against the live one; publish when it passes.
         Checkpoints first, so a resumed learner never re-trains what a version already holds."""
+        self._sync(tenant)
         kind = EXAMPLE_KIND[policy.algorithm]
         held = [e for e in self.buffer.heldout(tenant, kind, self.s.eval_max_examples) if e.kind == kind]
         scores: dict[str, float] = {}
@@ -212,6 +263,8 @@ class Learner:
             self.shutdown()
 
     def shutdown(self) -> None:
+        if self.fused is not None:
+            self.fused.flush()
         self.store.flush()
         for tenant in sorted(self._dirty):
             self.checkpoint(tenant)

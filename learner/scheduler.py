@@ -14,6 +14,10 @@ but never locks others out, and every eligible tenant is eventually picked (no s
 Eligible = not paused and `waiting >= min_new_examples`. A tenant that newly appears (or
 becomes eligible again) starts at the smallest current virtual time, so idling earns no
 burst credit. Decisions are logged and counted in metrics.
+
+Fused training (`pick_group`) takes up to K eligible tenants at once: repeatedly the one a
+plain `pick` would choose next, so the group is the K smallest virtual times (starved
+tenants first); each member is then charged its own share of the fused step (`record`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,16 @@ class Decision:
     reason: str
     skipped: dict[str, str] = field(default_factory=dict)
     """Tenants not eligible and why ("paused", "waiting 3 < 8")."""
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """Tenants for one fused step (empty: nobody eligible), in pick order.
+    Example: GroupDecision(("acme", "beta"), "acme: fair share (...); beta: fair share (...)", {"idle": "paused"})."""
+
+    tenants: tuple[str, ...]
+    reason: str
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -117,6 +131,30 @@ class Scheduler:
         self._share[chosen.id] = chosen.share
         log.info("scheduler: %s (%s); skipped %s", chosen.id, reason, skipped or "none")
         return Decision(chosen.id, reason, skipped)
+
+    def pick_group(self, views: list[TenantView], k: int) -> "GroupDecision":
+        """Up to `k` eligible tenants for one fused step, in the order `pick` would take them."""
+        if k < 1:
+            raise ValueError(f"pick_group needs k >= 1, got {k}")
+        eligible, skipped = self._eligible(views)
+        chosen, reasons = [], []
+        while len(chosen) < k:
+            v, reason = self._choose([e for e in eligible if e.id not in {c.id for c in chosen}])
+            if v is None:
+                break
+            chosen.append(v)
+            reasons.append(f"{v.id}: {reason}")
+            self._share[v.id] = v.share
+        if self.metrics is not None:
+            for v in views:
+                self.metrics.waiting.labels(v.id).set(v.waiting)
+            for v in chosen:
+                self.metrics.decisions.labels(v.id, "pick").inc()
+            if not chosen:
+                self.metrics.decisions.labels("", "idle").inc()
+        if chosen:
+            log.info("scheduler: fused group %s; skipped %s", reasons, skipped or "none")
+        return GroupDecision(tuple(v.id for v in chosen), "; ".join(reasons) or "nothing eligible", skipped)
 
     def peek_next(self, views: list[TenantView], after: str) -> str | None:
         """The tenant likely to be picked after `after` trains (for prefetching), without

@@ -35,6 +35,13 @@ class LearnerSettings(BaseSettings):
     max_host_bytes: int | None = Field(default=None, ge=1)
     prefetch: bool = True
     micro_batch_size: int = Field(default=8, ge=1)
+    training_mode: Literal["serial", "fused"] = "serial"
+    """`serial`: one tenant per optimizer step, swapped onto the device. `fused`: up to
+    `fused_max_tenants` tenants per step in one forward/backward (segmented multi-LoRA kernels)."""
+    fused_max_tenants: int = Field(default=4, ge=1, le=64)
+    """K: tenants resident at once and trained together in fused mode (others wait their turn)."""
+    fused_backend: Literal["auto", "torch", "triton"] = "auto"
+    """Segmented-kernel backend in fused mode: `auto` = Triton on CUDA, the torch reference on CPU."""
     max_seq_len: int = Field(default=512, ge=8)
     fresh_fraction: float = Field(default=0.5, ge=0, le=1)
     dpo_beta: float = Field(default=0.1, gt=0)
