@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import statistics
 import tempfile
 import threading
 import time
