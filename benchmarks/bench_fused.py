@@ -1,0 +1,178 @@
+"""Fused multi-tenant training vs serial steps with swaps: training tokens/s and where time goes.
+
+For K = 2, 4, 8 tenants and per-tenant micro-batches of 1, 2 and 8 sequences, in one run:
+    serial  K solo `Trainer.train_step`s per round, round-robin, prefetching the next tenant
+            (the adapter store's swap path: one tenant resident at a time)
+    fused   one `FusedTrainer.train_step` per round: K tenants resident, one forward and one
+            backward through the segmented multi-LoRA layers (torch reference on CPU, Triton on CUDA)
+Both train every tenant on the same SFT examples; a warm-up round (first loads, allocator)
+is not timed. Tokens are input tokens (prompt + completion, no padding). Breakdown per mode:
+forward, backward (serial: the rest of the step, incl. encoding), optimizer, swap (serial:
+time `activate` blocked; fused: loading/evicting slots, ~0 in steady state).
+
+    python benchmarks/bench_fused.py [--model smollm2|tiny|<hf dir>] [--quick] [--rounds 2]
+
+Prints a table and writes bench-results/fused.json, ratios = fused tokens/s / serial tokens/s
+measured in the same run. Runs on CUDA as is when a GPU is present (random-init weights are
+not needed: the prepared SmolLM2 is used; `--device cuda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import clora.learner.trainer as trainer_mod
+from clora.ingest.schemas import Message, SFTExample
+from clora.learner.adapter_store import AdapterStore
+from clora.learner.base_model import load_base_model, make_tiny_model, prepare_base_model
+from clora.learner.batches import ChatEncoder
+from clora.learner.fused import FusedTrainer, TenantWork
+from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
+
+
+def examples(tenant: str, n: int, words: int) -> list[SFTExample]:
+    body = " ".join(f"w{i}" for i in range(words))
+    return [SFTExample(example_id=f"{tenant}-{i}", tenant=tenant, interaction_id=f"i{i}", feedback_event_id=f"f{i}",
+                       time=0.0, messages=[Message(role="user", content=f"question {i}: {body}")],
+                       target=Message(role="assistant", content=f"answer {i}: {body}")) for i in range(n)]
+
+
+class _Timer:
+    """Wraps a callable and sums its wall time (synchronising CUDA so the time is real)."""
+
+    def __init__(self, fn, device):
+        self.fn, self.device, self.seconds = fn, device, 0.0
+
+    def __call__(self, *a, **kw):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.fn(*a, **kw)
+        _sync(self.device)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_serial(lm: LoraModel, tok, device, k: int, mb: int, data, policy, rounds: int) -> dict:
+    store = AdapterStore(lm, device=device, prefetch=True)
+    tr = Trainer(lm, ChatEncoder(tok, 512), store, TrainerConfig(micro_batch_size=mb))
+    names = list(data)[:k]
+    for i, t in enumerate(names):
+        store.register(t, seed=i)
+    order = names * (rounds + 1)
+    fwd, opt = _Timer(lm.forward, device), _Timer(trainer_mod.adam_step, device)
+    lm.forward, trainer_mod.adam_step = fwd, opt  # instance attribute / module global, undone below
+    try:
+        t0 = 0.0
+        for i, t in enumerate(order):
+            if i == k:  # first round is warm-up
+                _sync(device)
+                t0, fwd.seconds, opt.seconds, store.stats.exposed_s = time.perf_counter(), 0.0, 0.0, 0.0
+            tr.train_step(t, data[t], policy, prefetch=order[i + 1] if i + 1 < len(order) else None)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        del lm.forward
+        trainer_mod.adam_step = opt.fn
+        store.close()
+    swap = store.stats.exposed_s
+    return {"wall_s": wall, "forward_s": fwd.seconds, "optimizer_s": opt.seconds, "swap_s": swap,
+            "backward_s": wall - fwd.seconds - opt.seconds - swap}
+
+
+def run_fused(lm: LoraModel, tok, device, k: int, mb: int, data, policy, rounds: int) -> dict:
+    store = AdapterStore(lm, device=device, prefetch=True)
+    tr = Trainer(lm, ChatEncoder(tok, 512), store, TrainerConfig(micro_batch_size=mb))
+    ft = FusedTrainer(tr, k)
+    names = list(data)[:k]
+    for i, t in enumerate(names):
+        store.register(t, seed=i)
+    work = [TenantWork(t, data[t], policy) for t in names]
+    ft.train_step(work)  # warm-up: loads the K tenants
+    parts = dict(forward_s=0.0, backward_s=0.0, optimizer_s=0.0, swap_s=0.0)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        r = ft.train_step(work)
+        for key in parts:
+            parts[key] += getattr(r, key)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    ft.flush()
+    store.close()
+    return {"wall_s": wall, **parts, "backend": ft.backend.name}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2", help="smollm2 | tiny | a local HF model dir")
+    ap.add_argument("--models-dir", default=".clora/models")
+    ap.add_argument("--quick", action="store_true", help="micro-batches 1 and 2 only, 1 timed round, short sequences")
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds (each: every tenant steps once)")
+    ap.add_argument("--words", type=int, default=24, help="words per message (sets the sequence length)")
+    ap.add_argument("--tenants", default="2,4,8")
+    ap.add_argument("--micro-batches", default="1,2,8")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", default="bench-results/fused.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.words, args.micro_batches = 1, min(args.words, 12), "1,2"
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.model == "tiny":
+        model_dir = make_tiny_model(Path(args.models_dir) / "tiny-bench", hidden_size=128, num_layers=4)
+    else:
+        model_dir = prepare_base_model(args.model, args.models_dir)
+    model, tok = load_base_model(model_dir, device=device)
+    lm = LoraModel(model, LoraSpec(rank=args.rank, alpha=2 * args.rank))
+    policy = TrainingPolicy(learning_rate=1e-4, batch_size=8)
+    enc = ChatEncoder(tok, 512)
+    rows = []
+    for k in (int(x) for x in args.tenants.split(",")):
+        for mb in (int(x) for x in args.micro_batches.split(",")):
+            data = {f"t{i}": examples(f"t{i}", mb, args.words) for i in range(k)}
+            tokens = args.rounds * sum(int(enc.sft(list(ex)).attention_mask.sum()) for ex in data.values())
+            serial = run_serial(lm, tok, device, k, mb, data, policy, args.rounds)
+            fused = run_fused(lm, tok, device, k, mb, data, policy, args.rounds)
+            row = {"tenants": k, "micro_batch": mb, "tokens": tokens, "serial": serial, "fused": fused,
+                   "serial_tokens_per_s": tokens / serial["wall_s"], "fused_tokens_per_s": tokens / fused["wall_s"]}
+            row["ratio_fused_vs_serial"] = row["fused_tokens_per_s"] / row["serial_tokens_per_s"]
+            rows.append(row)
+            print(_line(row), flush=True)
+    print(f"\nmodel {model_dir}  device {device}  threads {args.threads}  LoRA params/tenant {lm.layout.numel:,}")
+    print(_header())
+    for r in rows:
+        print(_line(r))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(model_dir), "device": str(device), "threads": args.threads,
+                               "rounds": args.rounds, "words": args.words, "rank": args.rank, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+def _header() -> str:
+    return (f"{'K':>2} {'mb':>3} {'tokens':>7} {'serial tok/s':>12} {'fused tok/s':>11} {'ratio':>6}  "
+            f"{'serial fwd/bwd/opt/swap s':>27}  {'fused fwd/bwd/opt/swap s':>26}")
+
+
+def _line(r: dict) -> str:
+    s, f = r["serial"], r["fused"]
+    parts = lambda d: "/".join(f"{d[k]:.2f}" for k in ("forward_s", "backward_s", "optimizer_s", "swap_s"))  # noqa: E731
+    return (f"{r['tenants']:>2} {r['micro_batch']:>3} {r['tokens']:>7} {r['serial_tokens_per_s']:12.1f} "
+            f"{r['fused_tokens_per_s']:11.1f} {r['ratio_fused_vs_serial']:6.2f}  {parts(s):>27}  {parts(f):>26}")
+
+
+if __name__ == "__main__":
+    main()
