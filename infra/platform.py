@@ -1,6 +1,7 @@
 """The whole platform on one machine: what `clora up` starts, in order, and stops in reverse.
 
-    broker + Redis (embedded unless configured)  ->  topics  ->  webhook  ->  ingest workers
+    broker + Redis (embedded unless configured) -> topics -> webhook -> console -> ingest workers
+    -> base model (converted once) -> learner -> serving (vLLM engine + OpenAI gateway)
 
 Services other than the broker and Redis run as supervised child processes of this one
 (`python -m clora.infra.cli <service>`), restarted when they die, each logging to
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from clora.infra.control import load_admin_token
 from clora.infra.settings import BrokerSettings, ConsoleSettings, IngestSettings, PlatformSettings, WebhookSettings
+from clora.serving.settings import EngineSettings, GatewaySettings
 from clora.infra.stack import LocalStack
 from clora.infra.supervisor import ManagedProcess, port_open
 from clora.ingest.producer import ensure_topics
@@ -57,12 +59,36 @@ class Platform:
                     worker_env = env if i == 0 else {**env, "CLORA_INGEST_METRICS_PORT": "0"}
                     self._add(service_process(f"ingest-{i}", ["ingest-worker", "--client-id", f"clora-ingest-{i}"],
                                               worker_env, logs))
+            if wanted & {"learner", "serving"}:
+                model = self._prepare_model(env, logs)
+                env.setdefault("CLORA_ENGINE_MODEL", str(model))
             if "learner" in wanted:
                 self._add(service_process("learner", ["learner"], env, logs))
+            if "serving" in wanted:
+                gw = GatewaySettings()
+                env = {**env, "CLORA_ENGINE_LOG_DIR": str(logs),
+                       "CLORA_GATEWAY_SPOOL_DIR": str(self.settings.data_dir.resolve() / "spool" / "serving")}
+                self._add(service_process("serving", ["serve"], env, logs, lambda: port_open(gw.host, gw.port),
+                                          start_timeout_s=EngineSettings().start_timeout_s))
         except Exception:
             self.stop()
             raise
         return self
+
+    def _prepare_model(self, env: dict[str, str], logs) -> str:
+        """Convert the base model once, before learner and serving both need it (in a child
+        process: this supervisor never imports torch). Returns the model directory."""
+        import subprocess
+
+        if "CLORA_ENGINE_MODEL" in os.environ:
+            return os.environ["CLORA_ENGINE_MODEL"]
+        print("preparing the base model (the first run converts SmolLM2-135M-Instruct, ~1 min) ...", flush=True)
+        with open(logs / "prepare-model.log", "ab") as log:
+            out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "prepare-model", "--path-only"],
+                                 env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=log, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"preparing the base model failed; see {logs / 'prepare-model.log'}")
+        return out.stdout.strip().splitlines()[-1]
 
     def _learner_dirs(self) -> dict[str, str]:
         """Learner folders under the platform's data dir, unless set explicitly."""
@@ -94,6 +120,9 @@ class Platform:
         console.print(f"  feedback webhook  http://{wh.host}:{wh.port}/v1/feedback  (OpenAPI: /docs)")
         if ing.metrics_port:
             console.print(f"  ingest metrics    http://127.0.0.1:{ing.metrics_port}/metrics")
+        if "serving" in self.services:
+            gw = GatewaySettings()
+            console.print(f"  OpenAI API        http://{gw.host}:{gw.port}/v1   (model: your tenant id; key: its API key)")
         con = ConsoleSettings()
         token_file = self.settings.data_dir.resolve() / "admin_token"
         console.print(f"  admin console     http://{con.host}:{con.port}/console/")

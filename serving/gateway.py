@@ -4,7 +4,8 @@ quotas, streaming pass-through, interaction logging.
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`.
 
-`model` is the base model name, the caller's tenant id (its live adapter version) or a
+`model` is the base model name, the caller's tenant id (its live adapter version; the base
+model until its first version is live) or a
 pinned version `tenant@v7`. Any other tenant's model answers 404 `model_not_found`, exactly
 like a model that does not exist. The response `id` is the interaction id: it is claimed in
 the registry for the caller's tenant before the response is sent, and feedback names it.
@@ -106,10 +107,8 @@ class Gateway:
         if tenant != principal.tenant:
             raise errors.model_not_found(model)
         if version is None:
-            ref = await self.swapper.live_ref(tenant)
-            if ref is None:
-                raise errors.model_not_found(model)
-            return ref
+            # A tenant's model exists from its creation: the base model until a version is live.
+            return await self.swapper.live_ref(tenant)
         try:
             av = await asyncio.to_thread(self.registry.adapter_version, tenant, version)
         except RegistryError as e:
@@ -213,9 +212,9 @@ class Gateway:
         out = [{"id": base, "object": "model", "created": 0, "owned_by": "clora"}]
         versions = await asyncio.to_thread(self.registry.adapter_versions, principal.tenant)
         live = await self.swapper.live_ref(principal.tenant)
-        if live is not None:
-            out.append({"id": principal.tenant, "object": "model", "created": int(versions[-1].created_at)
-                        if versions else 0, "owned_by": principal.tenant, "root": live.name, "parent": base})
+        out.append({"id": principal.tenant, "object": "model", "created": int(versions[-1].created_at)
+                    if versions else 0, "owned_by": principal.tenant, "root": live.name if live else base,
+                    "parent": base})
         for v in versions:
             out.append({"id": f"{principal.tenant}@v{v.version}", "object": "model", "created": int(v.created_at),
                         "owned_by": principal.tenant, "root": f"{principal.tenant}@v{v.version}", "parent": base})

@@ -197,3 +197,17 @@ def test_concurrency_quota_answers_429(serving, tenants, client_for):
 def test_health_endpoint(serving):
     r = httpx.get(serving.url.removesuffix("/v1") + "/health")
     assert r.status_code == 200 and r.json()["healthy_replicas"] == 1
+
+
+def test_new_tenant_model_serves_the_base_until_its_first_version(serving, registry, client_for):
+    """A tenant's model exists from creation: before any version is live it answers like base."""
+    import uuid
+
+    tid = f"fresh-{uuid.uuid4().hex[:6]}"
+    _, key = registry.create_tenant(tid)
+    c = client_for(key)
+    assert tid in [m.id for m in c.models.list()]
+    ask = dict(messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0)
+    mine = c.chat.completions.create(model=tid, **ask)
+    base = c.chat.completions.create(model="base", **ask)
+    assert mine.choices[0].message.content == base.choices[0].message.content
