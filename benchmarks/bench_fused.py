@@ -139,6 +139,9 @@ def main() -> None:
     lm = LoraModel(model, LoraSpec(rank=args.rank, alpha=2 * args.rank))
     policy = TrainingPolicy(learning_rate=1e-4, batch_size=8)
     enc = ChatEncoder(tok, 512)
+    warm = {f"w{i}": examples(f"w{i}", 1, args.words) for i in range(2)}
+    run_serial(lm, tok, device, 2, 1, warm, policy, 1)  # process-wide warm-up: the first fused run
+    run_fused(lm, tok, device, 2, 1, warm, policy, 1)  # in a process was measured 10x slow without it
     rows = []
     for k in (int(x) for x in args.tenants.split(",")):
         for mb in (int(x) for x in args.micro_batches.split(",")):
