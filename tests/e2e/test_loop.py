@@ -1,0 +1,146 @@
+"""The whole continuous-learning loop through `clora up`, as a user drives it, on a tiny model:
+
+chat through the OpenAI gateway (served by vLLM) -> operator corrections through the webhook
+-> Kafka -> ingest worker -> Redis buffer -> learner trains and publishes v1 (PEFT folder)
+-> serving hot-swaps it in -> the next answers come from v1, and vLLM's logprobs for them
+match the learner-side model (transformers + PEFT loading the same folder).
+
+Every service is the real one, started by `clora up` in a child process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clora.infra.supervisor import free_port, port_open
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+_spec = importlib.util.spec_from_file_location("clora_e2e_tiny", Path(__file__).parents[1] / "serving" / "tiny.py")
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    model = tiny.make_model(root / "model")
+    ports = {k: free_port() for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT",
+                                      "CONSOLE_PORT", "GATEWAY_PORT", "LEARNER_METRICS_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
+    env.update({f"CLORA_{k}": str(v) for k, v in ports.items()})
+    env.update(CLORA_DATA_DIR=str(root / "data"), CLORA_ENGINE_MODEL=str(model), CLORA_LEARNER_BASE_MODEL=str(model),
+               CLORA_ENGINE_PORTS=json.dumps([free_port()]), CLORA_ENGINE_MAX_MODEL_LEN="512",
+               CLORA_ENGINE_MAX_LORA_RANK="8", CLORA_LEARNER_RANK="4", CLORA_LEARNER_ALPHA="8",
+               CLORA_LEARNER_IDLE_SLEEP_S="0.2", CLORA_GATEWAY_REGISTRY_POLL_S="0.2")
+    log = root / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "clora.infra.cli", "up"], env=env, stdout=open(log, "wb"),
+                          stderr=subprocess.STDOUT)
+    gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
+    try:
+        deadline_ok = _wait(lambda: up.poll() is not None or _healthy(gateway), 400)
+        assert deadline_ok and up.poll() is None, log.read_text()[-4000:]
+        yield {"env": env, "gateway": gateway, "webhook": f"http://127.0.0.1:{ports['WEBHOOK_PORT']}",
+               "console": f"http://127.0.0.1:{ports['CONSOLE_PORT']}", "root": root, "model": model,
+               "token": (root / "data" / "admin_token").read_text().strip()}
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(120)
+
+
+def _healthy(gateway: str) -> bool:
+    try:
+        return httpx.get(gateway + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait(predicate, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_corrections_train_a_version_that_serving_swaps_in(platform):
+    from openai import OpenAI
+
+    env = platform["env"]
+    out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "tenant", "create", "acme", "--json"], env=env,
+                         capture_output=True, text=True, check=True)
+    key = json.loads(out.stdout)["api_key"]
+    admin = {"Authorization": f"Bearer {platform['token']}"}
+    r = httpx.patch(f"{platform['console']}/api/tenants/acme/policy", headers=admin,
+                    json={"batch_size": 4, "min_new_examples": 4, "learning_rate": 0.02})
+    assert r.status_code == 200, r.text
+
+    client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=0, timeout=120)
+    prompts = [f"favourite colour {i}?" for i in range(8)]
+    for p in prompts:  # served by the base model: the tenant has no version yet
+        resp = client.chat.completions.create(model="acme", messages=[{"role": "user", "content": p}],
+                                              max_tokens=8, temperature=0)
+        fb = httpx.post(platform["webhook"] + "/v1/feedback", headers={"Authorization": f"Bearer {key}"},
+                        json={"interaction_id": resp.id, "source": "operator",
+                              "correction": {"role": "assistant", "content": "blue"}})
+        assert fb.status_code == 202, fb.text
+
+    versions = lambda: httpx.get(f"{platform['console']}/api/tenants/acme/versions", headers=admin).json()
+    assert _wait(lambda: versions()["live"] is not None, 300), "the learner published no version"
+    # pause learning so the live version stops moving (a step already running may still publish)
+    assert httpx.post(f"{platform['console']}/api/tenants/acme/pause", headers=admin).json()["paused"]
+    served = lambda: {m.id: m for m in client.models.list()}["acme"].model_extra.get("root")
+    live = None
+    for _ in range(3):
+        live = versions()["live"]
+        assert _wait(lambda: served() == f"acme@v{live}", 60), f"gateway serves {served()}, live is v{live}"
+        if versions()["live"] == live:
+            break
+    folder = Path(next(v["path"] for v in versions()["versions"] if v["version"] == live))
+    assert (folder / "adapter_model.safetensors").exists()
+
+    # vLLM serving the published folder == transformers + PEFT loading it (same tokens' logprobs)
+    ask = [{"role": "user", "content": prompts[0]}]
+    resp = client.chat.completions.create(model="acme", messages=ask, max_tokens=6, temperature=0, logprobs=True,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    content = resp.choices[0].logprobs.content
+    served_lp = [t.logprob for t in content]
+    token_ids = [int(t.token.removeprefix("token_id:")) for t in content]
+    assert served_lp
+    expected = _peft_logprobs(platform["model"], folder, ask, token_ids)
+    assert len(expected) == len(served_lp)
+    for a, b in zip(served_lp, expected):
+        assert abs(a - b) < 2e-3, (served_lp, expected)
+
+    # lineage: the version knows the feedback window it was trained on
+    meta = next(v for v in versions()["versions"] if v["version"] == live)
+    assert meta["feedback_window"] and meta["examples_seen"] >= 4
+
+
+def _peft_logprobs(model_dir: Path, adapter: Path, messages, c_ids: list[int]) -> list[float]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p_ids + c_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(p_ids) - 1:-1]
+    lp = torch.log_softmax(logits.float(), -1)
+    return [float(lp[i, t]) for i, t in enumerate(c_ids)]
