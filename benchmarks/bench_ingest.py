@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=10_000, help="records in the single-record run")
     ap.add_argument("--batch-events", type=int, default=50_000, help="records in the batched run")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--webhook-workers", type=int, default=1, help="uvicorn worker processes of the webhook")
     ap.add_argument("--out", type=Path, default=Path("bench-results/ingest.json"))
     args = ap.parse_args()
 
@@ -159,7 +160,7 @@ def main() -> None:
         ensure_topics(stack.kafka_bootstrap, stack.broker.partitions)
         port = free_port()
         env = {**os.environ, "CLORA_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "CLORA_REDIS_URL": stack.redis_url,
-               "CLORA_WEBHOOK_PORT": str(port), "CLORA_INGEST_METRICS_PORT": "0", "CLORA_INGEST_BUFFER_CAPACITY": "1000000"}
+               "CLORA_WEBHOOK_PORT": str(port), "CLORA_WEBHOOK_WORKERS": str(args.webhook_workers), "CLORA_INGEST_METRICS_PORT": "0", "CLORA_INGEST_BUFFER_CAPACITY": "1000000"}
         logs = data / "logs"
         for args_ in (["webhook", "--log-level", "WARNING"], ["ingest-worker", "--log-level", "WARNING"]):
             procs.append(subprocess.Popen([sys.executable, "-m", "clora.infra.cli", *args_], env=env,
@@ -195,7 +196,8 @@ def main() -> None:
               f"{row.get('p99_accept_to_buffer_ms', float('nan')):>9.1f}{row.get('lost', 0):>6}")
     targets = {"single_events_per_s": 2000, "batch_events_per_s": 20000, "p99_accept_to_buffer_ms": 1000}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "targets": targets, "time": time.time()}, indent=2))
+    args.out.write_text(json.dumps({"rows": rows, "targets": targets, "webhook_workers": args.webhook_workers,
+                                    "cpus": os.cpu_count(), "time": time.time()}, indent=2))
     print(f"\nwrote {args.out}")
 
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from clora.infra.registry import PREFIX as REGISTRY_PREFIX
 from clora.infra.registry import Registry, Tenant, TenantNotFound, sign
 from clora.infra.settings import WebhookSettings
 from clora.ingest import metrics
@@ -57,6 +58,41 @@ def _error(status: int, code: str, message: str, field: str | None = None, heade
     metrics.WEBHOOK.labels(str(status)).inc()
     body = {"error": {"code": code, "message": message, "field": field}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 for bodies over `max_bytes`, by Content-Length or by counting
+    a chunked body as it streams (Starlette's BaseHTTPMiddleware costs ~0.3 ms a request)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _error(413, "request_too_large", f"body of {int(length)} bytes exceeds "
+                                f"{self.max_bytes}")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await _error(413, "request_too_large", f"body exceeds {self.max_bytes} bytes")(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 @dataclass
@@ -90,7 +126,18 @@ class Authenticator:
         return tenant
 
 
-def create_app(settings: WebhookSettings, registry: Registry, producer: EventProducer) -> FastAPI:
+def create_app(settings: WebhookSettings, registry: Registry, producer: EventProducer,
+               async_redis=None) -> FastAPI:
+    """The webhook app. `async_redis` (a `redis.asyncio` client on the registry's Redis) keeps
+    the per-request interaction-owner lookup off the event loop's critical path; without it
+    the registry's blocking client is used."""
+
+    async def owners_of(interaction_ids: list[str]) -> list[str | None]:
+        if async_redis is None:
+            return registry.interaction_owners(interaction_ids)
+        raws = await async_redis.mget([f"{REGISTRY_PREFIX}iowner:{i}" for i in interaction_ids])
+        return [raw.decode() if raw is not None else None for raw in raws]
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
@@ -113,16 +160,7 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
         field = ".".join(loc) or "body"
         return _error(422, "invalid_request", f"{field}: {first['msg']}", field)
 
-    @app.middleware("http")
-    async def _limit_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return _error(413, "request_too_large", f"body of {length} bytes exceeds {settings.max_body_bytes}")
-        if request.method == "POST" and length is None:
-            body = await request.body()
-            if len(body) > settings.max_body_bytes:
-                return _error(413, "request_too_large", f"body exceeds {settings.max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     async def tenant_of(request: Request) -> Tenant:
         header = request.headers.get("authorization", "")
@@ -137,7 +175,7 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
         return tenant
 
     async def _publish(tenant: Tenant, records: list[FeedbackIn]) -> JSONResponse:
-        owners = registry.interaction_owners([rec.interaction_id for rec in records])
+        owners = await owners_of([rec.interaction_id for rec in records])
         for i, owner in enumerate(owners):
             if owner is not None and owner != tenant.id:
                 field = "interaction_id" if len(records) == 1 else f"records.{i}.interaction_id"
@@ -198,9 +236,11 @@ def build(settings: WebhookSettings, kafka_bootstrap: str, redis_url: str) -> Fa
     """The app wired to real connections (used by `clora webhook` and uvicorn's factory)."""
     import redis
 
+    import redis.asyncio
+
     registry = Registry(redis.Redis.from_url(redis_url))
     producer = EventProducer(kafka_bootstrap, timeout_s=settings.ack_timeout_s)
-    return create_app(settings, registry, producer)
+    return create_app(settings, registry, producer, async_redis=redis.asyncio.Redis.from_url(redis_url))
 
 
 def app_from_env() -> FastAPI:
