@@ -58,8 +58,6 @@ class LearningPolicy(BaseModel):
     priority: int = Field(default=0, ge=-10, le=10)
     min_new_examples: int = Field(default=1, ge=1, le=100_000)
     """A tenant trains only once this many examples arrived since its last step."""
-    rank: int = Field(default=8, ge=1, le=256)
-    alpha: float = Field(default=16.0, gt=0, le=4096)
     buffer_capacity: int | None = Field(default=None, ge=1, le=10_000_000)
     """Per-kind replay-buffer capacity (None: the ingest default)."""
     eval_tolerance: float = Field(default=0.02, ge=0, le=1)

@@ -28,7 +28,7 @@ class LearnerSettings(BaseSettings):
     num_threads: int | None = Field(default=None, ge=1)
     """torch CPU threads (None: torch's default)."""
     rank: int = Field(default=8, ge=1, le=512)
-    """LoRA rank for every tenant on this learner (one layout; see the report on policy.rank)."""
+    """LoRA rank for every tenant on this learner (one shared layout; not per tenant yet)."""
     alpha: float = Field(default=16.0, gt=0)
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     max_tenants: int | None = Field(default=None, ge=1)

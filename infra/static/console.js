@@ -211,15 +211,14 @@ function policyForm(id, p) {
     ev.preventDefault();
     const f = ev.target;
     const changes = { algorithm: f.algorithm.value };
-    for (const k of ["learning_rate", "batch_size", "weight", "priority", "min_new_examples", "rank", "alpha"]) changes[k] = Number(f[k].value);
+    for (const k of ["learning_rate", "batch_size", "weight", "priority", "min_new_examples"]) changes[k] = Number(f[k].value);
     try { await api(`/tenants/${encodeURIComponent(id)}/policy`, { method: "PATCH", body: JSON.stringify(changes) }); msg.textContent = "saved"; msg.className = ""; }
     catch (e) { msg.textContent = e.message; msg.className = "error"; }
   } },
     el("label", {}, "algorithm", algo),
     field("learning_rate", p.learning_rate, { type: "number", step: "any" }), field("batch_size", p.batch_size, { type: "number" }),
     field("weight", p.weight, { type: "number", step: "any" }), field("priority", p.priority, { type: "number" }),
-    field("min_new_examples", p.min_new_examples, { type: "number" }), field("rank", p.rank, { type: "number" }),
-    field("alpha", p.alpha, { type: "number", step: "any" }),
+    field("min_new_examples", p.min_new_examples, { type: "number" }),
     el("button", { type: "submit" }, "Save"), msg);
   return form;
 }
