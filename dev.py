@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine with only Python 3.11:
 
+    python3 dev.py demo     # set up, then run the demo on embedded defaults (`clora demo`)
     python3 dev.py up       # set up, then run the platform on embedded defaults (`clora up`)
     python3 dev.py test     # set up, then run the whole test suite (extra args go to pytest)
     python3 dev.py clora …  # set up, then any `clora` command
@@ -66,7 +67,7 @@ def setup() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("up", "test", "clora"):
+    if not argv or argv[0] not in ("demo", "up", "test", "clora"):
         print(__doc__)
         return 2
     setup()
@@ -74,8 +75,8 @@ def main(argv: list[str]) -> int:
         system_packages()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     bin_dir = VENV / "bin"
-    if argv[0] == "up":
-        cmd = [str(bin_dir / "clora"), "up", *argv[1:]]
+    if argv[0] in ("up", "demo"):
+        cmd = [str(bin_dir / "clora"), argv[0], *argv[1:]]
     elif argv[0] == "clora":
         cmd = [str(bin_dir / "clora"), *argv[1:]]
     else:

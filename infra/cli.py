@@ -200,6 +200,17 @@ def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Pri
     print(path) if path_only else console.print(f"base model ready at {path}")
 
 
+@app.command("demo")
+def demo(minutes: float = typer.Option(10.0, help="Length of the learning phase"),
+         eval_size: int = typer.Option(20, help="Held-out problems per tenant for the base/final scores"),
+         log_level: str = "WARNING"):
+    """The platform teaching three tenants three skills, live, ending with base vs final scores."""
+    from clora.agents.demo import main as run_demo
+
+    _logging(log_level)
+    run_demo(minutes, eval_size)
+
+
 @app.command("up")
 def up(log_level: str = "INFO"):
     """Run the whole platform on this machine until Ctrl-C."""

@@ -112,6 +112,15 @@ class Platform:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def urls(self) -> dict[str, str]:
+        """Where each HTTP service answers (for clients such as the demo)."""
+        wh, con, gw = WebhookSettings(), ConsoleSettings(), GatewaySettings()
+        return {"webhook": f"http://{wh.host}:{wh.port}", "console": f"http://{con.host}:{con.port}",
+                "gateway": f"http://{gw.host}:{gw.port}"}
+
+    def admin_token(self) -> str:
+        return load_admin_token(self.settings.data_dir, self.settings.admin_token)
+
     def print_summary(self, console: Console) -> None:
         wh, ing = WebhookSettings(), IngestSettings()
         console.print("[bold]clora is up[/]")

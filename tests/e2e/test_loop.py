@@ -123,10 +123,36 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform):
     assert len(expected) == len(served_lp)
     for a, b in zip(served_lp, expected):
         assert abs(a - b) < 2e-3, (served_lp, expected)
+    # ... and the learner's own model with that adapter picks the same greedy tokens
+    assert _learner_greedy(platform["model"], folder, ask, len(token_ids)) == token_ids
 
     # lineage: the version knows the feedback window it was trained on
     meta = next(v for v in versions()["versions"] if v["version"] == live)
     assert meta["feedback_window"] and meta["examples_seen"] >= 4
+
+
+def _learner_greedy(model_dir: Path, adapter: Path, messages, n: int) -> list[int]:
+    import torch
+
+    from clora.learner.base_model import load_base_model
+    from clora.learner.lora import LoraModel, LoraSpec
+    from clora.learner.peft_io import read_adapter
+
+    base, tok = load_base_model(model_dir)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    lm = LoraModel(base, LoraSpec(rank=config["r"], alpha=config["lora_alpha"],
+                                  target_modules=tuple(config["target_modules"])))
+    lm.bind(lm.layout.views(read_adapter(adapter, lm.layout)))
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(lm(torch.tensor([ids + out]))[0, -1].argmax())
+            out.append(nxt)
+            if nxt == tok.eos_token_id:
+                break
+    return out
 
 
 def _peft_logprobs(model_dir: Path, adapter: Path, messages, c_ids: list[int]) -> list[float]:
