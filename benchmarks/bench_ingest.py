@@ -1,14 +1,18 @@
 """Ingest benchmark: feedback through the webhook into the replay buffers, against the raw
 Redis write rate on this machine as the ceiling, in one run.
 
-    .venv/bin/python benchmarks/bench_ingest.py [--events 10000] [--batch-events 50000] [--out F]
+    .venv/bin/python benchmarks/bench_ingest.py [--events 10000] [--batch-events 50000]
+        [--tenants 4] [--ingest-workers 1] [--webhook-workers 1] [--out F]
 
-It starts its own broker, Redis, webhook (a `clora webhook` process) and ingest worker (a
-`clora ingest-worker` process), creates a tenant, logs interactions for every feedback
+It starts its own broker, Redis, webhook (a `clora webhook` process) and ingest workers
+(`clora ingest-worker` processes), creates tenants, logs interactions for every feedback
 record to join, then measures:
 
-- single: concurrent clients each POSTing one record at a time;
-- batch:  clients POSTing `/v1/feedback/batch` with 500 records each;
+- single: concurrent clients each POSTing one record at a time, one tenant;
+- batch:  clients POSTing `/v1/feedback/batch` with 500 records each, one tenant (one
+  partition, so one ingest worker does all the work whatever `--ingest-workers` is);
+- batch xT: the same batched load spread over `--tenants` tenants (their partitions spread
+  over the ingest workers), as a platform with many tenants sees it;
 - ceiling: the same example payloads written straight to Redis (pipelined HSET+ZADD).
 
 Accept-to-buffer latency of an event = the time its examples were written (the score the
@@ -69,19 +73,20 @@ def wait_seen(r: redis.Redis, tenant: str, n: int, timeout: float) -> bool:
     return True
 
 
-async def post_all(url: str, key: str, payloads: list[tuple[list[str], dict]], concurrency: int) -> tuple[dict[str, float], int]:
-    """POST payloads with `concurrency` clients; returns {event_id: accept time} and error count."""
+async def post_all(url: str, payloads: list[tuple[str, list[str], dict]], concurrency: int) -> tuple[dict[str, float], int]:
+    """POST (api key, event ids, body) payloads with `concurrency` clients; returns
+    {event_id: accept time} and error count."""
     accepted: dict[str, float] = {}
     errors = 0
     queue: asyncio.Queue = asyncio.Queue()
     for p in payloads:
         queue.put_nowait(p)
-    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal errors
         while not queue.empty():
-            ids, body = queue.get_nowait()
+            key, ids, body = queue.get_nowait()
+            headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
             path = "/v1/feedback/batch" if "records" in body else "/v1/feedback"
             for _attempt in range(20):
                 async with session.post(url + path, data=json.dumps(body), headers=headers) as resp:
@@ -100,24 +105,37 @@ async def post_all(url: str, key: str, payloads: list[tuple[list[str], dict]], c
     return accepted, errors
 
 
-def run_mode(name: str, url: str, key: str, r: redis.Redis, tenant: str, iids: list[str], batch: int,
+def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, list[str]]], batch: int,
              concurrency: int) -> dict:
-    records = [{"interaction_id": iid, "event_id": f"{name}-{iid}", "score": 1.0, "source": "environment"} for iid in iids]
-    if batch == 1:
-        payloads = [([rec["event_id"]], rec) for rec in records]
-    else:
-        payloads = [([x["event_id"] for x in records[i:i + batch]], {"records": records[i:i + batch]})
-                    for i in range(0, len(records), batch)]
-    seen_before = r.zcard(f"clora:t:{{{tenant}}}:seen")
+    """One load run over (tenant, api key, interaction ids) triples; the tenants' requests
+    are interleaved."""
+    per_tenant = []
+    for tenant, key, iids in tenants:
+        prefix = name.replace(" ", "") if len(tenants) == 1 else f"{name.replace(' ', '')}-{tenant}"
+        records = [{"interaction_id": iid, "event_id": f"{prefix}-{iid}", "score": 1.0, "source": "environment"}
+                   for iid in iids]
+        if batch == 1:
+            per_tenant.append([(key, [rec["event_id"]], rec) for rec in records])
+        else:
+            per_tenant.append([(key, [x["event_id"] for x in records[i:i + batch]], {"records": records[i:i + batch]})
+                               for i in range(0, len(records), batch)])
+    payloads = [p for group in zip(*per_tenant) for p in group]
+    n_records = sum(len(ids) for _, ids, _ in payloads)
+    owner = {e: tenant for (tenant, _, _), group in zip(tenants, per_tenant) for _, ids, _ in group for e in ids}
+    seen_before = {tenant: r.zcard(f"clora:t:{{{tenant}}}:seen") for tenant, _, _ in tenants}
     t0 = time.time()
-    accepted, errors = asyncio.run(post_all(url, key, payloads, concurrency))
+    accepted, errors = asyncio.run(post_all(url, payloads, concurrency))
     t_accept = time.time() - t0
-    ok = wait_seen(r, tenant, seen_before + len(accepted), timeout=300)
+    ok = all(wait_seen(r, tenant, seen_before[tenant] + sum(1 for e in accepted if owner[e] == tenant), timeout=300)
+             for tenant, _, _ in tenants)
     t_all = time.time() - t0
-    scores = dict(zip(accepted, r.zmscore(f"clora:t:{{{tenant}}}:seen", list(accepted))))
+    scores: dict[str, float | None] = {}
+    for tenant, _, _ in tenants:
+        mine = [e for e in accepted if owner[e] == tenant]
+        scores.update(zip(mine, r.zmscore(f"clora:t:{{{tenant}}}:seen", mine)))
     lat = [scores[e] - accepted[e] for e in accepted if scores[e] is not None]
     lost = sum(1 for e in accepted if scores[e] is None)
-    return {"mode": name, "events": len(records), "batch": batch, "concurrency": concurrency,
+    return {"mode": name, "events": n_records, "batch": batch, "concurrency": concurrency, "tenants": len(tenants),
             "accepted": len(accepted), "retried_errors": errors, "lost": lost, "all_stored": ok,
             "accept_events_per_s": len(accepted) / t_accept, "end_to_end_events_per_s": len(accepted) / t_all,
             "p50_accept_to_buffer_ms": 1000 * pct(lat, 0.5), "p99_accept_to_buffer_ms": 1000 * pct(lat, 0.99)}
@@ -149,6 +167,9 @@ def main() -> None:
     ap.add_argument("--batch-events", type=int, default=50_000, help="records in the batched run")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--webhook-workers", type=int, default=1, help="uvicorn worker processes of the webhook")
+    ap.add_argument("--ingest-workers", type=int, default=1, help="ingest worker processes (one consumer group)")
+    ap.add_argument("--tenants", type=int, default=4, help="tenants the 'batch xT' row spreads its records over "
+                    "(0: skip that row)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/ingest.json"))
     args = ap.parse_args()
 
@@ -162,9 +183,11 @@ def main() -> None:
         env = {**os.environ, "CLORA_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "CLORA_REDIS_URL": stack.redis_url,
                "CLORA_WEBHOOK_PORT": str(port), "CLORA_WEBHOOK_WORKERS": str(args.webhook_workers), "CLORA_INGEST_METRICS_PORT": "0", "CLORA_INGEST_BUFFER_CAPACITY": "1000000"}
         logs = data / "logs"
-        for args_ in (["webhook", "--log-level", "WARNING"], ["ingest-worker", "--log-level", "WARNING"]):
+        services = [["webhook", "--log-level", "WARNING"]] + [
+            ["ingest-worker", "--log-level", "WARNING", "--client-id", f"bench-ingest-{i}"] for i in range(args.ingest_workers)]
+        for args_ in services:
             procs.append(subprocess.Popen([sys.executable, "-m", "clora.infra.cli", *args_], env=env,
-                                          stdout=open(logs / f"{args_[0]}.log", "ab"), stderr=subprocess.STDOUT))
+                                          stdout=open(logs / f"{args_[0]}-{args_[-1]}.log", "ab"), stderr=subprocess.STDOUT))
         while not port_open("127.0.0.1", port):
             time.sleep(0.1)
         r = redis.Redis.from_url(stack.redis_url)
@@ -172,16 +195,26 @@ def main() -> None:
         _, key = Registry(r).create_tenant(tenant)
         total = args.events + args.batch_events
         iids = [f"ix-{i}" for i in range(total)]
-        print(f"logging {total} interactions to join with ...", flush=True)
+        others = []   # the 'batch xT' tenants: each gets an equal share of --batch-events
+        for t in range(args.tenants):
+            other = f"bench-{uuid.uuid4().hex[:6]}-{t}"
+            others.append((other, Registry(r).create_tenant(other)[1],
+                           [f"ix-{i}" for i in range(args.batch_events // args.tenants)]))
+        print(f"logging {total + sum(len(x[2]) for x in others)} interactions to join with ...", flush=True)
         log_interactions(stack.kafka_bootstrap, tenant, iids)
-        if not wait_seen(r, tenant, total, timeout=300):
-            raise SystemExit("the ingest worker did not store the interactions in time")
+        for other, _, other_iids in others:
+            log_interactions(stack.kafka_bootstrap, other, other_iids)
+        if not all(wait_seen(r, t, len(ids), timeout=300) for t, _, ids in [(tenant, key, iids), *others]):
+            raise SystemExit("the ingest workers did not store the interactions in time")
         url = f"http://127.0.0.1:{port}"
         rows = [redis_ceiling(r, 50_000)]
         print(f"single-record run: {args.events} records, {args.concurrency} clients ...", flush=True)
-        rows.append(run_mode("single", url, key, r, tenant, iids[:args.events], 1, args.concurrency))
+        rows.append(run_mode("single", url, r, [(tenant, key, iids[:args.events])], 1, args.concurrency))
         print(f"batched run: {args.batch_events} records in batches of 500 ...", flush=True)
-        rows.append(run_mode("batch", url, key, r, tenant, iids[args.events:], 500, 4))
+        rows.append(run_mode("batch", url, r, [(tenant, key, iids[args.events:])], 500, 4))
+        if others:
+            print(f"batched run over {len(others)} tenants, {args.ingest_workers} ingest workers ...", flush=True)
+            rows.append(run_mode(f"batch x{len(others)}", url, r, others, 500, 4))
     finally:
         for p in procs:
             p.terminate()
@@ -197,6 +230,7 @@ def main() -> None:
     targets = {"single_events_per_s": 2000, "batch_events_per_s": 20000, "p99_accept_to_buffer_ms": 1000}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "targets": targets, "webhook_workers": args.webhook_workers,
+                                    "ingest_workers": args.ingest_workers, "tenants": args.tenants,
                                     "cpus": os.cpu_count(), "time": time.time()}, indent=2))
     print(f"\nwrote {args.out}")
 

@@ -36,6 +36,11 @@ _EXAMPLE = TypeAdapter(Example)
 RECENT_FEEDBACK = 200
 
 
+def stored_flags(raw: bytes) -> list[int]:
+    """The reply of `_ADD_EXAMPLES` (b"101": stored, seen, stored) as [1, 0, 1]."""
+    return [c - 48 for c in raw]
+
+
 def tkey(tenant: str, *parts: str) -> str:
     return ":".join([f"clora:t:{{{tenant}}}", *parts])
 
@@ -46,61 +51,141 @@ def tkey(tenant: str, *parts: str) -> str:
 # ARGV: now, capacity, eviction, dedup_window, n_events, then per event:
 #       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[16 + g]),
 #       recent_json ('' for none), n_examples, then n_examples x (kind 0..2, id, heldout 0/1, json)
-# Returns one result per event: 1 stored, 0 already seen.
+# Returns one character per event: '1' stored, '0' already seen (one bulk string: a reply of
+# thousands of integers costs the client more to parse than the script costs to run).
+#
+# The script issues a fixed number of commands per call, not per event: one ZMSCORE asks
+# which ids were seen, one HMGET per hash which examples exist, then one ZADD/HSET per key
+# writes them (sequence numbers in event order, as one INCR per example would give), and
+# eviction runs once per buffer after the inserts. Eviction never picks an example inserted
+# by the same call unless that call alone overflows the buffer (then the oldest of it go).
+# Needs Redis >= 6.2 (ZMSCORE, ZRANDMEMBER); the embedded server is 6.2.
 _ADD_EXAMPLES = """
 local now, cap, eviction, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local n_events = tonumber(ARGV[5])
-local results = {}
-local added, dups = 0, 0
+local CHUNK = 1000
+
+local function sliced(list, width, fn)     -- fn(first, last) over slices of whole records
+  local step = CHUNK * width
+  for i = 1, #list, step do fn(i, math.min(i + step - 1, #list)) end
+end
+
+-- 1. which unguarded event ids are already known
+local starts, unguarded, known = {}, {}, {}
 local a = 6
 for e = 1, n_events do
+  starts[e] = a
+  if ARGV[a + 1] == '0' then unguarded[#unguarded + 1] = ARGV[a] end
+  a = a + 4 + 4 * tonumber(ARGV[a + 3])
+end
+sliced(unguarded, 1, function(i, j)
+  local scores = redis.call('ZMSCORE', KEYS[1], unpack(unguarded, i, j))
+  for k = i, j do if scores[k - i + 1] then known[unguarded[k]] = true end end
+end)
+
+-- 2. fresh events and their candidate examples, in order
+local results, recents, new_seen, cands, by_slot = {}, {}, {}, {}, {}
+local dups = 0
+for e = 1, n_events do
+  a = starts[e]
   local eid, guard, recent, n = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], tonumber(ARGV[a + 3])
-  a = a + 4
   local fresh
   if guard == 0 then
-    fresh = not redis.call('ZSCORE', KEYS[1], eid)
-    if fresh then redis.call('ZADD', KEYS[1], now, eid) end
+    fresh = not known[eid]
+    if fresh then
+      known[eid] = true
+      new_seen[#new_seen + 1] = now
+      new_seen[#new_seen + 1] = eid
+    end
   else
     fresh = redis.call('HDEL', KEYS[16 + guard], eid) == 1
   end
   if fresh then
-    if recent ~= '' then redis.call('LPUSH', KEYS[3], recent) end
+    if recent ~= '' then recents[#recents + 1] = recent end
     for i = 0, n - 1 do
-      local k, xid, held, body = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-      a = a + 4
-      local base = 4 + k * 4
-      local buf, ex = KEYS[base], KEYS[base + 1]
-      if held == '1' then buf, ex = KEYS[base + 2], KEYS[base + 3] end
-      if redis.call('HSETNX', ex, xid, body) == 1 then
-        redis.call('ZADD', buf, redis.call('INCR', KEYS[16]), xid)
-        added = added + 1
-        while redis.call('ZCARD', buf) > cap do
-          local victim
-          if eviction == 'random' then
-            victim = redis.call('ZRANDMEMBER', buf)
-          else
-            victim = redis.call('ZRANGE', buf, 0, 0)[1]
-          end
-          redis.call('ZREM', buf, victim)
-          redis.call('HDEL', ex, victim)
-          redis.call('HINCRBY', KEYS[2], 'evicted', 1)
+      local b = a + 4 + 4 * i
+      local slot = 4 + tonumber(ARGV[b]) * 4 + (ARGV[b + 2] == '1' and 2 or 0)   -- KEYS index of buf; ex is next
+      cands[#cands + 1] = {slot, ARGV[b + 1], ARGV[b + 3]}
+      local ids = by_slot[slot]
+      if not ids then ids = {}; by_slot[slot] = ids end
+      ids[#ids + 1] = ARGV[b + 1]
+    end
+    results[e] = '1'
+  else
+    dups = dups + 1
+    results[e] = '0'
+  end
+end
+
+-- 3. examples not stored yet get the next sequence numbers, in event order
+local exists = {}
+for slot, ids in pairs(by_slot) do
+  local have = {}
+  sliced(ids, 1, function(i, j)
+    local bodies = redis.call('HMGET', KEYS[slot + 1], unpack(ids, i, j))
+    for k = i, j do if bodies[k - i + 1] then have[ids[k]] = true end end
+  end)
+  exists[slot] = have
+end
+local seq = tonumber(redis.call('GET', KEYS[16]) or '0')
+local zadds, hsets, inserted, added = {}, {}, {}, 0
+for _, c in ipairs(cands) do
+  local slot, xid, body = c[1], c[2], c[3]
+  if not exists[slot][xid] then
+    exists[slot][xid] = true
+    seq = seq + 1
+    added = added + 1
+    local z, h = zadds[slot], hsets[slot]
+    if not z then z, h = {}, {}; zadds[slot], hsets[slot], inserted[slot] = z, h, {} end
+    inserted[slot][xid] = true
+    z[#z + 1] = seq; z[#z + 1] = xid
+    h[#h + 1] = xid; h[#h + 1] = body
+  end
+end
+
+-- 4. write, then evict down to capacity
+local evicted = 0
+for slot, z in pairs(zadds) do
+  local buf, ex, h = KEYS[slot], KEYS[slot + 1], hsets[slot]
+  sliced(h, 2, function(i, j) redis.call('HSET', ex, unpack(h, i, j)) end)
+  sliced(z, 2, function(i, j) redis.call('ZADD', buf, unpack(z, i, j)) end)
+  local over = redis.call('ZCARD', buf) - cap
+  if over > 0 then
+    local victims, chosen = {}, {}
+    if eviction == 'random' then
+      local mine = inserted[slot]
+      for _, m in ipairs(redis.call('ZRANDMEMBER', buf, over + #z / 2)) do
+        if #victims < over and not mine[m] then
+          victims[#victims + 1] = m
+          chosen[m] = true
         end
       end
     end
-    results[e] = 1
-  else
-    a = a + 4 * n
-    dups = dups + 1
-    results[e] = 0
+    if #victims < over then   -- fifo, or random when this call's own inserts overflow the buffer
+      for _, m in ipairs(redis.call('ZRANGE', buf, 0, over + #victims - 1)) do
+        if #victims < over and not chosen[m] then victims[#victims + 1] = m end
+      end
+    end
+    sliced(victims, 1, function(i, j)
+      redis.call('ZREM', buf, unpack(victims, i, j))
+      redis.call('HDEL', ex, unpack(victims, i, j))
+    end)
+    evicted = evicted + #victims
   end
 end
+if added > 0 then redis.call('SET', KEYS[16], seq) end
+sliced(new_seen, 2, function(i, j) redis.call('ZADD', KEYS[1], unpack(new_seen, i, j)) end)
 local over = redis.call('ZCARD', KEYS[1]) - window
 if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
-redis.call('LTRIM', KEYS[3], 0, %d)
+if #recents > 0 then
+  redis.call('LPUSH', KEYS[3], unpack(recents, math.max(1, #recents - %d), #recents))
+  redis.call('LTRIM', KEYS[3], 0, %d)
+end
 if added > 0 then redis.call('HINCRBY', KEYS[2], 'added', added) end
+if evicted > 0 then redis.call('HINCRBY', KEYS[2], 'evicted', evicted) end
 if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
-return results
-""" % (RECENT_FEEDBACK - 1)
+return table.concat(results)
+""" % (RECENT_FEEDBACK - 1, RECENT_FEEDBACK - 1)
 
 # KEYS: seen, ix, pending, recent ; ARGV: event_id, now, feedback_json, ttl, window, recent_json
 # Returns -1 when the interaction is there after all (caller retries the direct path).
@@ -233,7 +318,8 @@ class ReplayBuffer:
         """Store the examples of several feedback events of one tenant in one script call.
 
         Each event de-duplicates on its id (or, with `parked_for`, on removing it from that
-        interaction's parked feedback). Result: a list with 1 (stored) or 0 (seen) per item.
+        interaction's parked feedback). Result: a list with 1 (stored) or 0 (seen) per item;
+        with `pipe`, the pipeline's result for this call is raw: decode it with `stored_flags`.
         """
         keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent")] + self._example_keys(tenant)
         guards: dict[str, int] = {}
@@ -249,7 +335,9 @@ class ReplayBuffer:
             for ex in item.examples:
                 held = "1" if is_heldout(ex.example_id, self.policy.holdout_fraction) else "0"
                 args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json()]
-        return self._add(keys=keys, args=args, client=pipe or self.r)
+        if pipe is not None:
+            return self._add(keys=keys, args=args, client=pipe)
+        return stored_flags(self._add(keys=keys, args=args))
 
     # --- reads (learner, console, metrics) ------------------------------------------------
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.partitioner.default import murmur2
 
 from clora.ingest.schemas import ALL_TOPICS
 
@@ -56,12 +58,12 @@ class EventProducer:
         )
         self._known_topics: set[str] = set()
 
-    def send(self, topic: str, key: str, value: str | bytes):
+    def send(self, topic: str, key: str, value: str | bytes, partition: int | None = None):
         """Queue one record; returns kafka-python's future. Raises BrokerUnavailable if the
         producer cannot even queue it (no metadata within the timeout)."""
         payload = value.encode() if isinstance(value, str) else value
         try:
-            return self._producer.send(topic, key=key.encode(), value=payload)
+            return self._producer.send(topic, key=key.encode(), value=payload, partition=partition)
         except KafkaError as e:
             raise BrokerUnavailable(f"could not queue a record for {topic}: {e}") from e
 
@@ -76,31 +78,44 @@ class EventProducer:
         await self.send_many_and_wait(topic, [(key, value)])
 
     async def send_many_and_wait(self, topic: str, records: list[tuple[str, str | bytes]]) -> None:
-        """Queue records and wait until the broker acknowledged every one of them."""
+        """Queue records and wait until the broker acknowledged every one of them.
+
+        Every record's own future is checked (a batch can fail one record), but the event loop
+        is woken once per call, not once per record: the producer's I/O thread counts the
+        acknowledgements and settles the call when the last one arrives. Records that share a
+        key get the partition the producer's partitioner picks for that key, computed once.
+        """
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         remaining = len(records)
         errors: list[BaseException] = []
+        lock = threading.Lock()
 
-        def settle(exc: BaseException | None) -> None:
-            nonlocal remaining
-            if exc is not None:
-                errors.append(exc)
-            remaining -= 1
-            if remaining == 0 and not done.done():
+        def finish() -> None:
+            if not done.done():
                 done.set_result(None)
 
-        def ok(_metadata) -> None:
-            loop.call_soon_threadsafe(settle, None)
+        def settle(exc: BaseException | None) -> None:   # on the producer's I/O thread
+            nonlocal remaining
+            with lock:
+                if exc is not None:
+                    errors.append(exc)
+                remaining -= 1
+                last = remaining == 0
+            if last:
+                loop.call_soon_threadsafe(finish)
 
-        def failed(exc: BaseException) -> None:
-            loop.call_soon_threadsafe(settle, exc)
+        def ok(_metadata) -> None:
+            settle(None)
 
         def queue_all() -> None:
+            partitions: dict[str, int] = {}
             for key, value in records:
-                fut = self.send(topic, key, value)
+                if key not in partitions:
+                    partitions[key] = self._partition_for(topic, key)
+                fut = self.send(topic, key, value, partition=partitions[key])
                 fut.add_callback(ok)
-                fut.add_errback(failed)
+                fut.add_errback(settle)
 
         if topic in self._known_topics:
             queue_all()                      # metadata cached: send() only appends to a buffer
@@ -116,6 +131,16 @@ class EventProducer:
         if errors:
             raise BrokerUnavailable(f"broker refused {len(errors)} of {len(records)} writes to {topic}: "
                                     f"{errors[0]}") from errors[0]
+
+    def _partition_for(self, topic: str, key: str) -> int | None:
+        """The partition kafka-python's DefaultPartitioner (ours: we configure no other) gives
+        `key`: murmur2 of the key over the sorted partitions. None, letting send() pick, while
+        the topic's partitions are not known yet."""
+        partitions = self._producer.partitions_for(topic) if topic in self._known_topics else None
+        if not partitions:
+            return None
+        ordered = sorted(partitions)
+        return ordered[(murmur2(key.encode()) & 0x7FFFFFFF) % len(ordered)]
 
     def flush(self, timeout: float | None = None) -> None:
         self._producer.flush(timeout)

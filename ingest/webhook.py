@@ -17,6 +17,7 @@ Signing (optional, per tenant): when a tenant has a signing secret, requests mus
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -126,17 +127,59 @@ class Authenticator:
         return tenant
 
 
+class OwnerLookup:
+    """Interaction id -> the tenant it was served to, on an asyncio Redis client. Lookups
+    that arrive while one MGET is in flight share the next one, so N concurrent requests cost
+    about two round trips instead of N."""
+
+    def __init__(self, client):
+        self.client = client
+        self._waiting: list[tuple[list[str], asyncio.Future]] = []
+        self._running = False
+        self._task: asyncio.Task | None = None
+
+    async def owners(self, interaction_ids: list[str]) -> list[str | None]:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((interaction_ids, future))
+        if not self._running:
+            self._running = True
+            self._task = asyncio.get_running_loop().create_task(self._drain())   # a reference keeps it alive
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, []
+                keys = [f"{REGISTRY_PREFIX}iowner:{i}" for ids, _ in batch for i in ids]
+                try:
+                    raws = await self.client.mget(keys)
+                except Exception as e:  # every waiter gets the error: none is answered 202
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                at = 0
+                for ids, future in batch:
+                    owners = [raw.decode() if raw is not None else None for raw in raws[at:at + len(ids)]]
+                    at += len(ids)
+                    if not future.done():
+                        future.set_result(owners)
+        finally:
+            self._running = False
+
+
 def create_app(settings: WebhookSettings, registry: Registry, producer: EventProducer,
                async_redis=None) -> FastAPI:
     """The webhook app. `async_redis` (a `redis.asyncio` client on the registry's Redis) keeps
     the per-request interaction-owner lookup off the event loop's critical path; without it
     the registry's blocking client is used."""
 
+    lookup = OwnerLookup(async_redis) if async_redis is not None else None
+
     async def owners_of(interaction_ids: list[str]) -> list[str | None]:
-        if async_redis is None:
+        if lookup is None:
             return registry.interaction_owners(interaction_ids)
-        raws = await async_redis.mget([f"{REGISTRY_PREFIX}iowner:{i}" for i in interaction_ids])
-        return [raw.decode() if raw is not None else None for raw in raws]
+        return await lookup.owners(interaction_ids)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

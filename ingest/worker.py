@@ -12,7 +12,6 @@ accepted event lands in the buffers exactly once.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -22,11 +21,12 @@ from dataclasses import dataclass, field
 import redis
 from kafka import KafkaConsumer
 from pydantic import ValidationError
+from pydantic_core import to_json
 
 from clora.infra.registry import Registry, RegistryError
 from clora.infra.settings import IngestSettings
 from clora.ingest import metrics
-from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer
+from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer, stored_flags
 from clora.ingest.joiner import build_examples
 from clora.ingest.producer import EventProducer
 from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
@@ -51,21 +51,22 @@ class _Batch:
 def parse(record) -> InteractionEvent | FeedbackEvent | DeadLetter:
     """A consumer record as an event, or a dead letter saying why it is not one."""
     model = InteractionEvent if record.topic == TOPIC_INTERACTIONS else FeedbackEvent
-    key = record.key.decode(errors="replace") if record.key else None
-    payload = (record.value or b"").decode(errors="replace")
     try:
         event = model.model_validate_json(record.value or b"")
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(record)"
-        return DeadLetter(source_topic=record.topic, source_partition=record.partition,
-                          source_offset=record.offset, key=key, payload=payload,
-                          reason=f"invalid {model.__name__}: {where}: {first['msg']} ({e.error_count()} errors)")
-    if key is not None and key != event.tenant:
-        return DeadLetter(source_topic=record.topic, source_partition=record.partition,
-                          source_offset=record.offset, key=key, payload=payload,
-                          reason=f"record key {key!r} does not match tenant {event.tenant!r}")
+        return _dead(record, f"invalid {model.__name__}: {where}: {first['msg']} ({e.error_count()} errors)")
+    if record.key and record.key != event.tenant.encode():
+        key = record.key.decode(errors="replace")
+        return _dead(record, f"record key {key!r} does not match tenant {event.tenant!r}")
     return event
+
+
+def _dead(record, reason: str) -> DeadLetter:
+    return DeadLetter(source_topic=record.topic, source_partition=record.partition, source_offset=record.offset,
+                      key=record.key.decode(errors="replace") if record.key else None,
+                      payload=(record.value or b"").decode(errors="replace"), reason=reason)
 
 
 class IngestWorker:
@@ -221,7 +222,8 @@ class IngestWorker:
         for tenant, items in writes.items():
             self.buffers.add_many(tenant, items, now=now, capacity=self._capacity(tenant), pipe=pipe)
         results = pipe.execute()
-        park_results, add_results = results[:len(parked)], [x for per in results[len(parked):] for x in per]
+        park_results = results[:len(parked)]
+        add_results = [x for raw in results[len(parked):] for x in stored_flags(raw)]
         retry = [fb for fb, res in zip(parked, park_results) if res == -1]
         stored = sum(add_results)
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "stored").inc(stored)
@@ -244,9 +246,9 @@ class IngestWorker:
 
 
 def _recent(fb: FeedbackEvent) -> str:
-    return json.dumps({"event_id": fb.event_id, "interaction_id": fb.interaction_id, "time": fb.time,
+    return to_json({"event_id": fb.event_id, "interaction_id": fb.interaction_id, "time": fb.time,
                        "source": fb.source, "score": fb.score, "key": fb.key, "comment": fb.comment,
-                       "correction": fb.correction.content if fb.correction else None})
+                       "correction": fb.correction.content if fb.correction else None}).decode()
 
 
 def main(settings: IngestSettings, kafka_bootstrap: str, redis_url: str, client_id: str = "clora-ingest") -> None:
