@@ -59,9 +59,10 @@ def tkey(tenant: str, *parts: str) -> str:
 # writes them (sequence numbers in event order, as one INCR per example would give), and
 # eviction runs once per buffer after the inserts. Eviction never picks an example inserted
 # by the same call unless that call alone overflows the buffer (then the oldest of it go).
-# Needs Redis >= 6.2 (ZMSCORE, ZRANDMEMBER); the embedded server is 6.2.
+# Needs Redis >= 6.2 (ZMSCORE); the embedded server is 6.2. ARGV[3] is 'fifo' or 'random:<seed>'.
 _ADD_EXAMPLES = """
 local now, cap, eviction, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+if string.sub(eviction, 1, 7) == 'random:' then math.randomseed(tonumber(string.sub(eviction, 8))) end
 local n_events = tonumber(ARGV[5])
 local CHUNK = 1000
 
@@ -152,10 +153,15 @@ for slot, z in pairs(zadds) do
   local over = redis.call('ZCARD', buf) - cap
   if over > 0 then
     local victims, chosen = {}, {}
-    if eviction == 'random' then
-      local mine = inserted[slot]
-      for _, m in ipairs(redis.call('ZRANDMEMBER', buf, over + #z / 2)) do
-        if #victims < over and not mine[m] then
+    if string.sub(eviction, 1, 7) == 'random:' then
+      -- uniform picks by rank with a seed from the caller: Redis 6 reseeds its own PRNG the
+      -- same way before every script, so ZRANDMEMBER would pick the same ranks every call
+      local mine, card, tries = inserted[slot], redis.call('ZCARD', buf), 0
+      while #victims < over and tries < 8 * over + 16 do
+        tries = tries + 1
+        local r = math.random(0, card - 1)
+        local m = redis.call('ZRANGE', buf, r, r)[1]
+        if m and not mine[m] and not chosen[m] then
           victims[#victims + 1] = m
           chosen[m] = true
         end
@@ -323,7 +329,8 @@ class ReplayBuffer:
         """
         keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent")] + self._example_keys(tenant)
         guards: dict[str, int] = {}
-        args: list = [now, capacity or self.policy.capacity, self.policy.eviction, self.policy.dedup_window, len(items)]
+        eviction = "fifo" if self.policy.eviction == "fifo" else f"random:{random.getrandbits(31)}"
+        args: list = [now, capacity or self.policy.capacity, eviction, self.policy.dedup_window, len(items)]
         for item in items:
             guard = 0
             if item.parked_for is not None:

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+from redis.exceptions import RedisError
 
 from clora.infra.registry import PREFIX as REGISTRY_PREFIX
 from clora.infra.registry import Registry, Tenant, TenantNotFound, sign
@@ -210,7 +211,10 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
         key = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not key:
             raise ApiError(401, "missing_api_key", "send the tenant API key as 'Authorization: Bearer <key>'")
-        tenant = auth.tenant_for(key)
+        try:
+            tenant = auth.tenant_for(key)
+        except RedisError as e:
+            raise _registry_unavailable(e) from e
         if tenant is None:
             raise ApiError(401, "invalid_api_key", "unknown or revoked API key")
         if tenant.signing_secret:
@@ -218,7 +222,10 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
         return tenant
 
     async def _publish(tenant: Tenant, records: list[FeedbackIn]) -> JSONResponse:
-        owners = await owners_of([rec.interaction_id for rec in records])
+        try:
+            owners = await owners_of([rec.interaction_id for rec in records])
+        except RedisError as e:
+            raise _registry_unavailable(e) from e
         for i, owner in enumerate(owners):
             if owner is not None and owner != tenant.id:
                 field = "interaction_id" if len(records) == 1 else f"records.{i}.interaction_id"
@@ -279,11 +286,28 @@ def build(settings: WebhookSettings, kafka_bootstrap: str, redis_url: str) -> Fa
     """The app wired to real connections (used by `clora webhook` and uvicorn's factory)."""
     import redis
 
-    import redis.asyncio
-
     registry = Registry(redis.Redis.from_url(redis_url))
     producer = EventProducer(kafka_bootstrap, timeout_s=settings.ack_timeout_s)
-    return create_app(settings, registry, producer, async_redis=redis.asyncio.Redis.from_url(redis_url))
+    return create_app(settings, registry, producer, async_redis=async_redis_client(redis_url))
+
+
+def _registry_unavailable(e: Exception) -> ApiError:
+    log.warning("registry (Redis) unavailable: %s", e)
+    return ApiError(503, "registry_unavailable", "the registry is unavailable; nothing was stored, retry",
+                    headers={"Retry-After": "1"})
+
+
+def async_redis_client(redis_url: str):
+    """An asyncio Redis client that reconnects and retries (a Redis restart costs a retry,
+    not a failed request)."""
+    import redis.asyncio
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return redis.asyncio.Redis.from_url(redis_url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
+                                        retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
 
 def app_from_env() -> FastAPI:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import redis
 from kafka import KafkaConsumer
+from kafka.errors import CommitFailedError
 from pydantic import ValidationError
 from pydantic_core import to_json
 
@@ -108,15 +109,39 @@ class IngestWorker:
                 polled = consumer.poll(timeout_ms=500)
                 records = [rec for recs in polled.values() for rec in recs]
                 if records:
-                    self.handle(records)
-                    consumer.commit()          # only after Redis has every example
+                    if not self._handle_until_stored(records, stop):
+                        break                  # stopping mid-outage: nothing committed, redelivered later
+                    try:
+                        consumer.commit()      # only after Redis has every example
+                    except CommitFailedError as e:
+                        # we were out of the group (e.g. a long Redis outage): the records go to
+                        # whoever holds the partition now, and de-duplication makes that harmless
+                        log.warning("offset commit refused after a rebalance: %s", e)
                 if time.monotonic() - last_gauges > 2.0:
-                    self._update_gauges(consumer)
+                    try:
+                        self._update_gauges(consumer)
+                    except redis.RedisError as e:
+                        log.warning("metrics not updated: %s", e)
                     last_gauges = time.monotonic()
         finally:
             consumer.close(autocommit=False)
             if self._dlq is not None:
                 self._dlq.close()
+
+    def _handle_until_stored(self, records: list, stop: threading.Event) -> bool:
+        """`handle` the batch, retrying with backoff while Redis is unreachable (the writes are
+        idempotent, so a retry after a half-applied attempt stores nothing twice). False if
+        asked to stop before the batch was stored."""
+        delay = 0.1
+        while True:
+            try:
+                self.handle(records)
+                return True
+            except redis.RedisError as e:
+                log.warning("Redis unavailable (%s); retrying %d records in %.1f s", e, len(records), delay)
+                if stop.wait(delay):
+                    return False
+                delay = min(delay * 2, 5.0)
 
     def _update_gauges(self, consumer: KafkaConsumer) -> None:
         lags = {}

@@ -104,10 +104,10 @@ def webhook(stack):
 
     settings = WebhookSettings(ack_timeout_s=2.0, max_body_bytes=64 * 1024, max_batch=500, auth_cache_s=0.5)
     producer = EventProducer(stack.kafka_bootstrap, timeout_s=settings.ack_timeout_s)
-    import redis.asyncio
+    from clora.ingest.webhook import async_redis_client
 
     app = create_app(settings, Registry(redis.Redis.from_url(stack.redis_url)), producer,
-                     async_redis=redis.asyncio.Redis.from_url(stack.redis_url))
+                     async_redis=async_redis_client(stack.redis_url))
     with _Server(app) as server:
         server.settings = settings
         yield server

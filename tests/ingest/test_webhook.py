@@ -204,3 +204,21 @@ def test_stopped_broker_gives_503_and_loses_nothing_accepted(stack, registry, re
     # feedback without a served interaction is parked: count it in the tenant's dedup set
     seen = lambda: {m.decode() for m in redis_client.zrange(f"clora:t:{{{tid}}}:seen", 0, -1)}
     wait_for(lambda: accepted <= seen(), timeout=60, what="every accepted event stored")
+
+
+def test_redis_restart_costs_no_request_and_redis_down_is_503(stack, webhook, tenant, wait_for):
+    """The webhook's Redis connections survive a Redis restart; while Redis is down it answers
+    503 (retry), never 500."""
+    tid, key = tenant
+    redis_proc = stack.processes["redis"]
+    body = {"interaction_id": f"{tid}-r", "score": 1.0}
+    assert httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json=body).status_code == 202
+    redis_proc.kill()
+    try:
+        time.sleep(webhook.settings.auth_cache_s + 0.1)
+        r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable", r.text
+    finally:
+        redis_proc.start()
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json=body, timeout=30)
+    assert r.status_code == 202, r.text
