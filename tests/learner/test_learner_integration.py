@@ -71,4 +71,5 @@ def test_corrections_through_the_platform_become_a_published_version(
                              consumer_timeout_ms=4000, group_id=None)
     on_topic = [json.loads(m.value) for m in consumer if m.key == tenant_id.encode()]
     consumer.close()
-    assert [e["version"] for e in on_topic] == [e.version for e in announced] and on_topic[-1]["action"] == "published"
+    assert {e["version"] for e in on_topic} == {e.version for e in announced} and live in {e["version"] for e in on_topic}
+    assert all(e["action"] == "published" and e["tenant"] == tenant_id for e in on_topic)

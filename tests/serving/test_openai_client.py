@@ -4,6 +4,7 @@ completions, model listing, every error case, and the interaction event each com
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 
 import httpx
 import openai
@@ -178,9 +179,14 @@ def test_concurrency_quota_answers_429(serving, tenants, client_for):
     tenant, key = tenants.create(11)
     limit = serving.gateway_settings.tenant_concurrency
 
+    start = threading.Barrier(limit + 6)
+
     def one(_):
+        client = client_for(key)
+        start.wait()              # all at once, and long enough (no early EOS) to overlap
         try:
-            client_for(key).completions.create(model="base", prompt="go", max_tokens=40, temperature=0)
+            client.completions.create(model="base", prompt="go", max_tokens=160, temperature=0,
+                                      extra_body={"ignore_eos": True})
             return 200
         except openai.RateLimitError as e:
             assert e.code == "rate_limit_exceeded"
