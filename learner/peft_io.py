@@ -49,7 +49,8 @@ def adapter_config(layout: LoraLayout, base_model: str) -> dict:
     }
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -64,7 +65,7 @@ def write_adapter(folder: Path, layout: LoraLayout, flat: torch.Tensor, base_mod
     save_file(layout.peft_state_dict(flat), folder / WEIGHTS_FILE, metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(layout, base_model), indent=2))
     for name in (WEIGHTS_FILE, CONFIG_FILE):
-        _fsync_file(folder / name)
+        fsync_path(folder / name)
 
 
 def read_adapter(folder: Path, layout: LoraLayout) -> torch.Tensor:

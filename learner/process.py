@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 from typing import Callable, Protocol
 
 import torch

@@ -26,7 +26,7 @@ import torch
 from clora.infra.registry import AdapterVersion
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.lora import LoraLayout
-from clora.learner.peft_io import read_adapter, write_adapter
+from clora.learner.peft_io import fsync_path, read_adapter, write_adapter
 
 METADATA_FILE = "clora_metadata.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -93,12 +93,12 @@ class Publisher:
             tmp.mkdir()
             write_adapter(tmp, self.layout, flat, self.base_model)
             (tmp / METADATA_FILE).write_text(meta.model_dump_json(indent=2))
-            _fsync(tmp / METADATA_FILE)
-            _fsync(tmp)
+            fsync_path(tmp / METADATA_FILE)
+            fsync_path(tmp)
             if final.exists():
                 raise PublishError(f"version folder {final} already exists; versions are never overwritten")
             os.rename(tmp, final)
-            _fsync(d)
+            fsync_path(d)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise PublishError(f"publishing {tenant} v{version} to {final} failed") from e
@@ -136,12 +136,6 @@ class Publisher:
         return live, read_adapter(self.tenant_dir(tenant) / f"v{live}", self.layout)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_metadata(folder: Path) -> AdapterVersion:

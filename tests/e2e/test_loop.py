@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clora.infra.supervisor import free_port, port_open
+from clora.infra.supervisor import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

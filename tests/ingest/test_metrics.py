@@ -3,7 +3,6 @@ tenant, consumer lag and the dead-letter count."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest

@@ -3,7 +3,6 @@ row, what the model gives with A alone and with B alone (padding included)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from clora.kernels import TritonBackend
