@@ -1,0 +1,65 @@
+"""The platform the end-to-end tests share: one `clora up` (every real service, in a child
+process) on a tiny model, started once per session because vLLM takes ~20 s to start."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clora.infra.supervisor import free_port
+
+_spec = importlib.util.spec_from_file_location("clora_e2e_tiny", Path(__file__).parents[1] / "serving" / "tiny.py")
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    model = tiny.make_model(root / "model")
+    ports = {k: free_port() for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT",
+                                      "CONSOLE_PORT", "GATEWAY_PORT", "LEARNER_METRICS_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
+    env.update({f"CLORA_{k}": str(v) for k, v in ports.items()})
+    env.update(CLORA_DATA_DIR=str(root / "data"), CLORA_ENGINE_MODEL=str(model), CLORA_LEARNER_BASE_MODEL=str(model),
+               CLORA_ENGINE_PORTS=json.dumps([free_port()]), CLORA_ENGINE_MAX_MODEL_LEN="512",
+               CLORA_ENGINE_MAX_LORA_RANK="8", CLORA_LEARNER_RANK="4", CLORA_LEARNER_ALPHA="8",
+               CLORA_LEARNER_IDLE_SLEEP_S="0.2", CLORA_GATEWAY_REGISTRY_POLL_S="0.2")
+    log = root / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "clora.infra.cli", "up"], env=env, stdout=open(log, "wb"),
+                          stderr=subprocess.STDOUT)
+    gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
+    try:
+        deadline_ok = wait(lambda: up.poll() is not None or _healthy(gateway), 400)
+        assert deadline_ok and up.poll() is None, log.read_text()[-4000:]
+        yield {"env": env, "gateway": gateway, "webhook": f"http://127.0.0.1:{ports['WEBHOOK_PORT']}",
+               "console": f"http://127.0.0.1:{ports['CONSOLE_PORT']}", "root": root, "model": model,
+               "token": (root / "data" / "admin_token").read_text().strip()}
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(120)
+
+
+def _healthy(gateway: str) -> bool:
+    try:
+        return httpx.get(gateway + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False

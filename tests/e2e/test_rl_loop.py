@@ -1,0 +1,103 @@
+"""On-policy RL through the whole platform, on a tiny model, and the reward rises:
+
+rollout groups through the OpenAI gateway (vLLM samples them and records behaviour
+logprobs) -> each episode's reward as feedback through the webhook (source `environment`)
+-> Kafka -> ingest joins reward and interaction into RL examples in the tenant's Redis
+buffer -> the learner takes a GRPO-style step (group-normalised advantages, clipped
+importance ratio against the behaviour logprobs) and publishes a version -> serving
+hot-swaps it in -> the next step's rollouts are sampled from that version.
+
+The task is trivially learnable from reward alone: the reply should consist of ASCII
+letters (reward = the fraction of its characters that are). A random tiny model with a
+byte-level vocabulary writes mostly other bytes, so it starts low.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from clora.agents.envs.base import Difficulty, Problem, TaskEnv
+from clora.agents.feedback import FeedbackClient
+from clora.agents.runtime import Agent
+from clora.agents.simulate import TenantTraffic
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TENANT = "letters"
+MAX_STEPS = 24
+RISE = 0.25
+"""Pass once the mean reward of the last 3 steps beats the first 3 steps' by this much."""
+
+
+class LettersEnv(TaskEnv):
+    """Reply with letters. Reward: the fraction of the reply's characters that are ASCII letters."""
+
+    name = "letters"
+    held_out_size = 4
+
+    def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        key = f"Write some letters ({rng.randrange(10**6)})."
+        return Problem(self.name, difficulty, key, ({"role": "user", "content": key},), None,
+                       ({"role": "assistant", "content": "abcdefgh"},))
+
+    def reward(self, problem: Problem, answer: str | None) -> float:
+        text = answer or ""
+        return sum(c.isascii() and c.isalpha() for c in text) / len(text) if text else 0.0
+
+
+def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
+    from openai import OpenAI
+
+    env, admin = platform["env"], {"Authorization": f"Bearer {platform['token']}"}
+    out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "tenant", "create", TENANT, "--json"], env=env,
+                         capture_output=True, text=True, check=True)
+    key = json.loads(out.stdout)["api_key"]
+    group, prompts = 16, 2
+    r = httpx.patch(f"{platform['console']}/api/tenants/{TENANT}/policy", headers=admin,
+                    json={"algorithm": "rl", "learning_rate": 0.08, "batch_size": group * prompts,
+                          "min_new_examples": group, "eval_tolerance": 1.0})
+    assert r.status_code == 200, r.text
+
+    client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=0, timeout=120)
+    agent = Agent(client, TENANT, max_turns=1, temperature=1.0, max_tokens=8)
+    traffic = TenantTraffic(TENANT, agent, LettersEnv(), FeedbackClient(platform["webhook"], key),
+                            group_size=group, prompts_per_step=prompts, concurrency=prompts, seed=7)
+    live = lambda: httpx.get(f"{platform['console']}/api/tenants/{TENANT}/versions", headers=admin).json()["live"]
+    served = lambda: {m.id: m for m in client.models.list()}[TENANT].model_extra.get("root")
+
+    history = []                                     # (version the step's rollouts were sampled from, reward)
+    mean = lambda rs: sum(r for _, r in rs) / len(rs)
+    while len(history) < MAX_STEPS and not (len(history) >= 6 and mean(history[-3:]) > mean(history[:3]) + RISE):
+        version = live()
+        report = traffic.step()
+        assert not report.errors, report.errors
+        assert len(report.rollouts) == group * prompts
+        history.append((version, report.mean_reward))
+        # on-policy: the next step waits for the learner to publish from this step's data
+        # and for serving to swap that version in
+        deadline = time.monotonic() + 120
+        while (live() or 0) <= (version or 0):
+            assert time.monotonic() < deadline, f"no version after step {len(history)}: {history}"
+            time.sleep(0.3)
+        new = live()
+        deadline = time.monotonic() + 60
+        while served() != f"{TENANT}@v{new}":
+            assert time.monotonic() < deadline, f"gateway serves {served()}, live is v{new}"
+            time.sleep(0.2)
+
+    versions = [v for v, _ in history]
+    assert versions[0] is None and all(b is not None and (a or 0) < b for a, b in zip(versions, versions[1:])), \
+        f"every step's rollouts must come from a newer version than the last: {history}"
+    print("RL history (version, mean reward):", history)
+    assert mean(history[-3:]) > mean(history[:3]) + RISE, f"reward did not rise in {MAX_STEPS} steps: {history}"
+
+    # the learner trained on those rewards: its history has RL steps with their mean reward
+    points = httpx.get(f"{platform['console']}/api/tenants/{TENANT}/metrics?n=200", headers=admin).json()["points"]
+    assert sum(1 for p in points if p.get("reward") is not None) >= len(history) - 1
