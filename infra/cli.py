@@ -4,6 +4,7 @@
     clora tenant create acme          # prints the API key once
     clora tenant list | rotate-key | revoke-key
     clora webhook | ingest-worker     # single services, for running them apart
+    clora bench experiments           # N RL experiments: one after another vs at once
 
 Every command reads the same settings (`CLORA_*` environment variables, see
 infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those.
@@ -29,6 +30,8 @@ app = typer.Typer(help="clora: continuous learning for LLM agents", no_args_is_h
                   pretty_exceptions_enable=False)
 tenant_app = typer.Typer(help="Tenants and their API keys", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
+bench_app = typer.Typer(help="Benchmarks that drive the whole platform", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 console = Console()
 
 
@@ -209,6 +212,51 @@ def demo(minutes: float = typer.Option(10.0, help="Length of the learning phase"
 
     _logging(log_level)
     run_demo(minutes, eval_size)
+
+
+@bench_app.command("experiments")
+def bench_experiments(
+        n: str = typer.Option("1,2,4,8", "--n", help="Experiment counts N (comma-separated)"),
+        steps: int = typer.Option(5, help="Steps K per experiment"),
+        group_size: int = typer.Option(4, help="Episodes per prompt (GRPO group)"),
+        prompts_per_step: int = typer.Option(2, help="Prompts per step"),
+        max_tokens: int = typer.Option(48, help="max_tokens per model call"),
+        max_turns: int = typer.Option(3, help="Model calls per episode at most"),
+        temperature: float = typer.Option(1.0, help="Sampling temperature of the rollouts"),
+        algorithm: str = typer.Option("rl", help="rl (rewards, GRPO-style) or sft (operator corrections)"),
+        difficulty: str = typer.Option("easy", help="easy | medium | hard | mixed"),
+        learning_rate: float = typer.Option(1e-3, help="Learner learning rate"),
+        model: str = typer.Option("smollm2", help="smollm2 or a local HF model directory"),
+        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
+        training_mode: str = typer.Option("serial", help="Learner training mode: serial or fused"),
+        step_timeout: float = typer.Option(900.0, help="Longest wait of one train or sync phase (s)"),
+        out: str = typer.Option("bench-results/experiments.json", help="JSON output (the plot goes next to it)"),
+        keep: bool = typer.Option(False, help="Keep the platforms' data folders (logs, adapters)"),
+        log_level: str = "WARNING"):
+    """N RL experiments of K steps on arithmetic tool use: one after another on fresh platforms
+    (cold) vs all at once on one warm platform. Prints a table, writes JSON and a reward plot."""
+    from clora.agents.experiments import BenchConfig, main as run_bench
+
+    _logging(log_level)
+    try:
+        config = BenchConfig(
+            ns=tuple(int(x) for x in n.split(",") if x.strip()), steps=steps, group_size=group_size,
+            prompts_per_step=prompts_per_step, max_tokens=max_tokens, max_turns=max_turns, temperature=temperature,
+            algorithm=_choice("--algorithm", algorithm, ("rl", "sft")),
+            difficulty=None if difficulty == "mixed" else _choice("--difficulty", difficulty, ("easy", "medium", "hard")),
+            learning_rate=learning_rate, model=model, models_dir=models_dir,
+            training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
+            step_timeout_s=step_timeout, out=out, keep=keep)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 @app.command("up")

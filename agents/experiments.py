@@ -1,0 +1,618 @@
+"""`clora bench experiments`: N independent RL experiments, one after another vs all at once.
+
+    clora bench experiments [--n 1,2,4,8] [--steps 5] [--algorithm rl|sft] [--model smollm2|<HF dir>]
+    python benchmarks/bench_experiments.py ...      # the same command
+
+Each experiment trains one fresh tenant for K synchronous (on-policy) steps on the arithmetic
+tool-use task. One step:
+
+1. rollout — `TenantTraffic.step()`: `prompts_per_step` problems × `group_size` episodes
+   through the gateway, sampled from the tenant's live version; rewards (and, for
+   `--algorithm sft`, operator corrections) go through the webhook;
+2. train  — the tenant is un-paused with `min_new_examples` = `batch_size` = the step's
+   training examples (its feedback records minus the 10% the buffers hold out, computed
+   from the example ids), so the learner takes exactly one step on exactly that data
+   (`CLORA_LEARNER_FRESH_FRACTION=1`), evaluates and publishes; the tenant is paused again
+   once the version (or the gate's rejection) is seen. `eval_tolerance=1` keeps the gate
+   from blocking unless the candidate is twice as bad as live;
+3. sync   — until the gateway's `/v1/models` entry for the tenant has root `tenant@v<new>`.
+
+Mode A (sequential, "cold"): each experiment gets a fresh platform (broker, Redis, learner,
+vLLM engine, gateway; start-up counted in its time), one tenant, then the platform stops —
+as a single-tenant RL framework runs. Only N_max experiments run; mode A at a smaller N is
+the time to the end of the first N of them (the prefix). Mode B (concurrent, "warm"): one
+platform, started once (start-up and one warm-up step reported apart, not counted); for each
+N, N fresh tenants run at once, one thread each. Experiment i uses the same problems in both
+modes (traffic seed i).
+
+Reported per N: speedup = A time / B time to the last experiment's end, mean experiment
+time, mean step time with its rollout / train / sync means, step-time growth (B / A), each
+experiment's final reward (mean reward of its last step's rollouts) and whether B's mean is
+within ±1σ of A's. Prints a table, writes JSON (`--out`) and a reward-vs-step plot (.png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from clora.agents.envs import ArithmeticEnv
+from clora.agents.envs.base import Difficulty
+from clora.agents.feedback import FeedbackClient
+from clora.agents.runtime import Agent
+from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic
+
+REFERENCE = {"name": "SkyRL", "n": 8, "speedup": 2.81, "step_s": [191.0, 500.0], "step_growth": 2.62}
+TARGET = {"n": 8, "speedup_at_least": 4.0, "step_growth_at_most": 2.0}
+Outcome = Literal["published", "rejected", "no data", "train timeout", "sync timeout"]
+
+
+class ExperimentError(RuntimeError):
+    """An experiment could not run (platform, control API or gateway failure)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every knob of one benchmark run (also written to the JSON)."""
+
+    ns: tuple[int, ...] = (1, 2, 4, 8)
+    steps: int = 5
+    group_size: int = 4
+    prompts_per_step: int = 2
+    max_tokens: int = 48
+    max_turns: int = 3
+    temperature: float = 1.0
+    algorithm: Literal["rl", "sft"] = "rl"
+    difficulty: Difficulty | None = "easy"
+    learning_rate: float = 1e-3
+    model: str = "smollm2"
+    """`smollm2` (converted once into `models_dir`) or a local HF model directory."""
+    models_dir: str = ".clora/models"
+    training_mode: Literal["serial", "fused"] = "serial"
+    step_timeout_s: float = 900.0
+    """Longest one train (or sync) phase may wait before the step is reported as timed out."""
+    poll_s: float = 0.25
+    out: str = "bench-results/experiments.json"
+    keep: bool = False
+    """Keep the platforms' data folders (logs, adapters) instead of deleting them."""
+
+    def __post_init__(self) -> None:
+        if not self.ns or min(self.ns) < 1 or self.steps < 1:
+            raise ValueError(f"--n must list counts >= 1 and --steps must be >= 1 (got {self.ns}, {self.steps})")
+
+
+# --- what one run records ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One experiment step. Example: rollout 4.1 s on v2 (reward 0.25 over 8 episodes), train
+    9.8 s (learner step 3.2 s of it) -> v3 published, sync 0.4 s; `train_examples` 14."""
+
+    step: int
+    sampled_version: int | None
+    """The version the rollouts were sampled from (None: the base model)."""
+    reward: float
+    rollouts: int
+    train_examples: int
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    outcome: Outcome
+    new_version: int | None = None
+    learner_s: float | None = None
+    """The learner's own time for the optimizer step (from its metrics history)."""
+    errors: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.rollout_s + self.train_s + self.sync_s
+
+
+@dataclass(frozen=True)
+class ExperimentResult:
+    """One experiment: `started` / `ended` are seconds since its mode's clock started;
+    `startup_s` is the platform start inside it (mode A only)."""
+
+    tenant: str
+    index: int
+    started: float
+    ended: float
+    steps: tuple[StepRecord, ...]
+    startup_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def final_reward(self) -> float:
+        return self.steps[-1].reward if self.steps else 0.0
+
+    def to_json(self) -> dict:
+        return {"tenant": self.tenant, "index": self.index, "started": self.started, "ended": self.ended,
+                "seconds": self.seconds, "startup_s": self.startup_s, "final_reward": self.final_reward,
+                "steps": [asdict(s) | {"seconds": s.seconds} for s in self.steps]}
+
+
+# --- pure statistics (unit-tested) -----------------------------------------------------------
+
+
+def mean_std(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for fewer than two values). [1, 0, 1, 0] -> (0.5, 0.577)."""
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def sequential_prefix(experiments: Sequence[ExperimentResult], n: int) -> list[ExperimentResult]:
+    """The first `n` experiments of the one sequential run of N_max (mode A at N = n)."""
+    if n > len(experiments):
+        raise ValueError(f"mode A ran {len(experiments)} experiments, cannot derive N = {n}")
+    return sorted(experiments, key=lambda e: e.index)[:n]
+
+
+def summarize(experiments: Sequence[ExperimentResult]) -> dict:
+    """Wall time to the last experiment's end (from the first one's start), mean experiment
+    time, mean step time and its phases over every step, final rewards and step outcomes."""
+    steps = [s for e in experiments for s in e.steps]
+    finals = [e.final_reward for e in experiments]
+    reward_mean, reward_std = mean_std(finals)
+    outcomes: dict[str, int] = {}
+    for s in steps:
+        outcomes[s.outcome] = outcomes.get(s.outcome, 0) + 1
+    learner = [s.learner_s for s in steps if s.learner_s is not None]
+    return {
+        "experiments": len(experiments),
+        "wall_s": max(e.ended for e in experiments) - min(e.started for e in experiments),
+        "mean_experiment_s": statistics.fmean(e.seconds for e in experiments),
+        "mean_startup_s": statistics.fmean(e.startup_s for e in experiments),
+        "mean_step_s": statistics.fmean(s.seconds for s in steps),
+        "mean_rollout_s": statistics.fmean(s.rollout_s for s in steps),
+        "mean_train_s": statistics.fmean(s.train_s for s in steps),
+        "mean_sync_s": statistics.fmean(s.sync_s for s in steps),
+        "mean_learner_step_s": statistics.fmean(learner) if learner else None,
+        "final_rewards": finals,
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "outcomes": outcomes,
+    }
+
+
+def compare(sequential: dict, concurrent: dict) -> dict:
+    """Speedup (A / B time to the last end), step-time growth (B / A) and whether B's mean
+    final reward lies within ±1σ (A's sample std) of A's."""
+    return {
+        "speedup": sequential["wall_s"] / concurrent["wall_s"],
+        "step_growth": concurrent["mean_step_s"] / sequential["mean_step_s"],
+        "reward_delta": concurrent["reward_mean"] - sequential["reward_mean"],
+        "reward_within_1sigma": abs(concurrent["reward_mean"] - sequential["reward_mean"])
+        <= sequential["reward_std"] + 1e-9,
+    }
+
+
+def reward_curve(experiments: Sequence[ExperimentResult]) -> list[float]:
+    """Mean rollout reward at each step index over the experiments that reached it."""
+    longest = max((len(e.steps) for e in experiments), default=0)
+    return [statistics.fmean(e.steps[i].reward for e in experiments if len(e.steps) > i) for i in range(longest)]
+
+
+def build_report(config: BenchConfig, sequential: Sequence[ExperimentResult],
+                 concurrent: dict[int, Sequence[ExperimentResult]], concurrent_startup_s: float) -> dict:
+    """The JSON the benchmark writes: one row per N comparing the two modes, plus every
+    experiment and step, the reward curves, the reference and the target."""
+    rows = []
+    for n in sorted(concurrent):
+        a, b = summarize(sequential_prefix(sequential, n)), summarize(concurrent[n])
+        rows.append({"n": n, "sequential": a, "concurrent": b, **compare(a, b)})
+    top = next((r for r in rows if r["n"] == TARGET["n"]), None)
+    return {
+        "config": asdict(config),
+        "note": (f"mode A (sequential, cold start per experiment) ran {len(sequential)} experiments once; "
+                 "mode A at N is the time to the end of its first N (the prefix). Mode B (concurrent) ran on one "
+                 "warm platform; its start-up and warm-up step are not counted."),
+        "concurrent_startup_s": concurrent_startup_s,
+        "rows": rows,
+        "target": TARGET | ({"met": top["speedup"] >= TARGET["speedup_at_least"]
+                             and top["step_growth"] <= TARGET["step_growth_at_most"]} if top else {}),
+        "reference": REFERENCE,
+        "curves": {"sequential": reward_curve(sequential),
+                   "concurrent": {str(n): reward_curve(exps) for n, exps in concurrent.items()}},
+        "experiments": {"sequential": [e.to_json() for e in sequential],
+                        "concurrent": {str(n): [e.to_json() for e in exps] for n, exps in concurrent.items()}},
+        "time": time.time(),
+    }
+
+
+def table(report: dict) -> Table:
+    t = Table(title=f"{len(report['experiments']['sequential'])} experiments × {report['config']['steps']} steps "
+                    f"({report['config']['algorithm']}, {report['config']['training_mode']} learner): "
+                    "A = one after another (cold), B = at once (warm)")
+    for col in ("N", "A time s", "B time s", "speedup", "A exp s", "B exp s", "A step s (roll/train/sync)",
+                "B step s (roll/train/sync)", "step growth", "A final reward", "B final reward", "B within ±1σ"):
+        t.add_column(col, justify="right")
+
+    def step(s: dict) -> str:
+        return f"{s['mean_step_s']:.1f} ({s['mean_rollout_s']:.1f}/{s['mean_train_s']:.1f}/{s['mean_sync_s']:.1f})"
+
+    for r in report["rows"]:
+        a, b = r["sequential"], r["concurrent"]
+        t.add_row(str(r["n"]), f"{a['wall_s']:.0f}", f"{b['wall_s']:.0f}", f"{r['speedup']:.2f}x",
+                  f"{a['mean_experiment_s']:.0f}", f"{b['mean_experiment_s']:.0f}", step(a), step(b),
+                  f"{r['step_growth']:.2f}x", f"{a['reward_mean']:.2f} ± {a['reward_std']:.2f}",
+                  f"{b['reward_mean']:.2f} ± {b['reward_std']:.2f}", "yes" if r["reward_within_1sigma"] else "NO")
+    return t
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """Mean reward vs step, mode A and mode B at each N. None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    curves = report["curves"]
+    seq = curves["sequential"]
+    ax.plot(range(1, len(seq) + 1), seq, "k-o", label=f"A: sequential, cold (N={len(report['experiments']['sequential'])})")
+    for n, ys in curves["concurrent"].items():
+        ax.plot(range(1, len(ys) + 1), ys, "--s", label=f"B: concurrent, warm, N={n}")
+    ax.set(xlabel="step", ylabel="mean rollout reward", ylim=(-0.05, 1.05),
+           title=f"arithmetic tool use, {report['config']['algorithm']}: reward per step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- one experiment against a running platform -------------------------------------------------
+
+
+def training_examples(report: StepReport, algorithm: str, operator: OperatorSimulator | None) -> int:
+    """How many of the step's examples land in the tenant's training buffer: one per feedback
+    record of the algorithm's kind, minus those the buffers hold out (a hash of the example id;
+    ids as `clora.ingest.joiner` builds them from the simulator's event ids)."""
+    from clora.ingest.buffers import BufferPolicy, is_heldout
+
+    if algorithm == "rl":
+        ids = [f"env-{iid}:rl" for r in report.rollouts for iid in r.trace.interaction_ids]
+    else:
+        ids = [f"{fb.event_id}:sft" for r in report.rollouts for fb in (operator.review(r) if operator else [])]
+    fraction = BufferPolicy().holdout_fraction
+    return sum(not is_heldout(i, fraction) for i in ids)
+
+
+@dataclass
+class Stack:
+    """Where a running platform answers, for experiment clients."""
+
+    gateway: str
+    webhook: str
+    console: str
+    learner_metrics: str
+    admin_token: str
+
+
+class Experiment:
+    """One tenant's K on-policy steps (rollout -> train -> sync) on a running platform."""
+
+    def __init__(self, stack: Stack, tenant: str, index: int, config: BenchConfig,
+                 on_step: Callable[[str, StepRecord], None] | None = None):
+        self.stack, self.tenant, self.index, self.c, self.on_step = stack, tenant, index, config, on_step
+        self.http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"})
+        self.live: int | None = None
+        self.learner_step = 0
+
+    def run(self) -> list[StepRecord]:
+        from openai import OpenAI
+
+        c, env = self.c, ArithmeticEnv()
+        key = self._create_tenant()
+        client = OpenAI(base_url=self.stack.gateway + "/v1", api_key=key, max_retries=2, timeout=600)
+        agent = Agent(client, self.tenant, tools=env.tools, max_turns=c.max_turns, temperature=c.temperature,
+                      max_tokens=c.max_tokens)
+        self.operator = OperatorSimulator(env, share=1.0, seed=self.index) if c.algorithm == "sft" else None
+        traffic = TenantTraffic(self.tenant, agent, env, FeedbackClient(self.stack.webhook, key),
+                                group_size=c.group_size, prompts_per_step=c.prompts_per_step,
+                                concurrency=c.prompts_per_step, difficulty=c.difficulty, seed=self.index,
+                                operator=self.operator)
+        self.gateway = httpx.Client(base_url=self.stack.gateway, timeout=60, headers={"Authorization": f"Bearer {key}"})
+        records = []
+        try:
+            for _ in range(c.steps):
+                records.append(self._step(traffic))
+                if self.on_step:
+                    self.on_step(self.tenant, records[-1])
+        finally:
+            client.close()
+            self.gateway.close()
+            self.http.close()
+        return records
+
+    def _create_tenant(self) -> str:
+        policy = {"algorithm": self.c.algorithm, "learning_rate": self.c.learning_rate, "batch_size": 1,
+                  "min_new_examples": 1, "eval_tolerance": 1.0, "paused": True}
+        r = self.http.post(f"{self.stack.console}/api/tenants", json={"id": self.tenant, "name": "bench experiment",
+                                                                      "policy": policy})
+        if r.status_code != 201:
+            raise ExperimentError(f"creating tenant {self.tenant} failed: {r.status_code} {r.text}")
+        return r.json()["api_key"]
+
+    def _policy(self, **changes) -> None:
+        r = self.http.patch(f"{self.stack.console}/api/tenants/{self.tenant}/policy", json=changes)
+        if r.status_code != 200:
+            raise ExperimentError(f"policy {changes} of {self.tenant} refused: {r.status_code} {r.text}")
+
+    def _step(self, traffic: TenantTraffic) -> StepRecord:
+        sampled = self.live
+        report = traffic.step()
+        n = training_examples(report, self.c.algorithm, self.operator)
+        common = dict(step=report.step + 1, sampled_version=sampled, reward=report.mean_reward,
+                      rollouts=len(report.rollouts), train_examples=n, rollout_s=report.seconds,
+                      errors=len(report.errors))
+        if n == 0:
+            return StepRecord(**common, train_s=0.0, sync_s=0.0, outcome="no data")
+        started = time.monotonic()
+        outcome, version, learner_s = self._train(n)
+        train_s = time.monotonic() - started
+        sync_s = 0.0
+        if version is not None:
+            started = time.monotonic()
+            if self._wait_served(version):
+                self.live = version
+            else:
+                outcome = "sync timeout"
+            sync_s = time.monotonic() - started
+        return StepRecord(**common, train_s=train_s, sync_s=sync_s, outcome=outcome, new_version=version,
+                          learner_s=learner_s)
+
+    def _train(self, n: int) -> tuple[Outcome, int | None, float | None]:
+        """Let the learner take one step on the `n` new examples; wait for its version or the
+        gate's rejection. Returns (outcome, new version, the learner's step seconds)."""
+        rejected = self._rejected()
+        self._policy(paused=False, min_new_examples=n, batch_size=n)
+        deadline = time.monotonic() + self.c.step_timeout_s
+        trained: dict | None = None
+        outcome: Outcome = "train timeout"
+        version = None
+        try:
+            while time.monotonic() < deadline:
+                points = self.http.get(f"{self.stack.console}/api/tenants/{self.tenant}/metrics",
+                                       params={"n": 20}).json()["points"]
+                new = [p for p in points if (p.get("step") or 0) > self.learner_step]
+                trained = trained or next((p for p in new if p.get("loss") is not None), None)
+                version = next((p["version"] for p in new if p.get("version") is not None), None)
+                if version is not None:
+                    outcome = "published"
+                    break
+                if trained is not None and self._rejected() > rejected:
+                    outcome = "rejected"
+                    break
+                time.sleep(self.c.poll_s)
+        finally:
+            self._policy(paused=True)
+        if trained is not None:
+            self.learner_step = trained["step"]
+        return outcome, version, trained.get("seconds") if trained else None
+
+    def _rejected(self) -> float:
+        """The learner's count of gate rejections for this tenant (Prometheus)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.stack.learner_metrics, timeout=30).text
+        for fam in text_string_to_metric_families(text):
+            if fam.name == "clora_learner_publishes":
+                return sum(s.value for s in fam.samples if s.name.endswith("_total")
+                           and s.labels.get("tenant") == self.tenant and s.labels.get("outcome") == "rejected")
+        return 0.0
+
+    def _wait_served(self, version: int) -> bool:
+        want = f"{self.tenant}@v{version}"
+        deadline = time.monotonic() + self.c.step_timeout_s
+        while time.monotonic() < deadline:
+            models = self.gateway.get("/v1/models").json()["data"]
+            if next((m.get("root") for m in models if m["id"] == self.tenant), None) == want:
+                return True
+            time.sleep(self.c.poll_s)
+        return False
+
+
+# --- platforms and the two modes ---------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    config: BenchConfig
+    console: Console = field(default_factory=lambda: Console() if sys.stdout.isatty() else Console(width=200))
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="clora-bench-experiments-")))
+    _model_env: dict[str, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> dict:
+        c = self.config
+        self.console.print(f"[bold]clora bench experiments[/]: N = {list(c.ns)}, {c.steps} steps each, "
+                           f"{c.prompts_per_step} prompts × group {c.group_size}, {c.algorithm}, model {c.model}, "
+                           f"{c.training_mode} learner; data under {self.root}")
+        ok = False
+        try:
+            self._model_env = self._prepare_model()
+            sequential = self.sequential(max(c.ns))
+            startup, concurrent = self.concurrent(sorted(set(c.ns)))
+            ok = True
+        finally:
+            if ok and not c.keep:
+                shutil.rmtree(self.root, ignore_errors=True)
+            elif not ok:
+                self.console.print(f"[red]failed[/]: platform logs kept under {self.root}")
+        report = build_report(c, sequential, concurrent, startup)
+        self.console.print(table(report))
+        self._verdict(report)
+        out = Path(c.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        png = plot(report, out.with_suffix(".png"))
+        self.console.print(f"wrote {out}" + (f" and {png}" if png else " (no matplotlib: no plot)"))
+        return report
+
+    def _verdict(self, report: dict) -> None:
+        self.console.print(report["note"])
+        self.console.print(f"mode B platform start-up + warm-up step: {report['concurrent_startup_s']:.0f} s (not counted)")
+        for r in report["rows"]:
+            if r["n"] == TARGET["n"]:
+                self.console.print(
+                    f"N = 8: speedup {r['speedup']:.2f}x (target >= {TARGET['speedup_at_least']}x, "
+                    f"{REFERENCE['name']} {REFERENCE['speedup']}x), step time growth {r['step_growth']:.2f}x (target <= "
+                    f"{TARGET['step_growth_at_most']}x, {REFERENCE['name']} {REFERENCE['step_growth']}x): "
+                    + ("[green]met[/]" if report["target"].get("met") else "[red]not met[/]"))
+        exps = report["experiments"]
+        bad: dict[str, int] = {}
+        for e in exps["sequential"] + [e for group in exps["concurrent"].values() for e in group]:
+            for s in e["steps"]:
+                if s["outcome"] != "published":
+                    bad[s["outcome"]] = bad.get(s["outcome"], 0) + 1
+        if bad:
+            self.console.print(f"[yellow]steps without a new version[/]: {bad} (see each step's `outcome` in the JSON)")
+        rewards = [s["reward"] for e in exps["sequential"] for s in e["steps"]]
+        if report["config"]["algorithm"] == "rl" and not any(rewards):
+            self.console.print("[yellow]every sequential rollout scored 0[/]: each group's rewards are equal, so the "
+                               "GRPO advantages and the RL loss are 0 and the adapters do not move (try "
+                               "--algorithm sft, or an easier task)")
+
+    def _prepare_model(self) -> dict[str, str]:
+        """The base model for every platform: a local HF dir as is, `smollm2` converted once
+        into the shared models dir (not counted in any experiment)."""
+        if self.config.model != "smollm2":
+            path = str(Path(self.config.model).resolve())
+            return {"CLORA_ENGINE_MODEL": path, "CLORA_LEARNER_BASE_MODEL": path}
+        models = str(Path(self.config.models_dir).resolve())
+        env = {**os.environ, "CLORA_LEARNER_MODELS_DIR": models, "CLORA_LEARNER_BASE_MODEL": "smollm2"}
+        out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "prepare-model", "--path-only"], env=env,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise ExperimentError(f"preparing the base model failed: {out.stderr[-2000:]}")
+        return {"CLORA_ENGINE_MODEL": out.stdout.strip().splitlines()[-1], "CLORA_LEARNER_BASE_MODEL": "smollm2",
+                "CLORA_LEARNER_MODELS_DIR": models}
+
+    def _platform_env(self, name: str) -> None:
+        """Point every CLORA_* setting of the next platform at fresh ports and a fresh data dir
+        (settings read the environment when built, so this runs before `Platform(...)`)."""
+        from clora.infra.supervisor import free_port
+
+        c, slots = self.config, max(self.config.ns)
+        for k in ("CLORA_KAFKA_BOOTSTRAP", "CLORA_REDIS_URL"):   # always the platform's own broker and Redis
+            os.environ.pop(k, None)
+        ports = ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT", "CONSOLE_PORT", "GATEWAY_PORT",
+                 "LEARNER_METRICS_PORT")
+        os.environ.update({f"CLORA_{k}": str(free_port()) for k in ports})
+        os.environ.update(self._model_env)
+        os.environ.update(
+            CLORA_DATA_DIR=str(self.root / name), CLORA_ENGINE_PORTS=json.dumps([free_port()]),
+            CLORA_LEARNER_TRAINING_MODE=c.training_mode, CLORA_LEARNER_FUSED_MAX_TENANTS=str(slots),
+            CLORA_LEARNER_FRESH_FRACTION="1.0", CLORA_LEARNER_IDLE_SLEEP_S="0.2",
+            CLORA_ENGINE_MAX_LORAS=str(slots), CLORA_ENGINE_MAX_CPU_LORAS=str(2 * slots))
+
+    def _start(self, name: str):
+        """Start a fresh platform; returns (platform, Stack) once the gateway answers /health."""
+        from clora.infra.platform import Platform
+        from clora.infra.settings import PlatformSettings
+
+        self._platform_env(name)
+        platform = Platform(PlatformSettings()).start()
+        urls = platform.urls()
+        deadline = time.monotonic() + 600
+        while not _healthy(urls["gateway"]):
+            if time.monotonic() > deadline:
+                platform.stop()
+                raise ExperimentError(f"gateway {urls['gateway']} never became healthy; logs in {self.root / name}")
+            time.sleep(0.5)
+        stack = Stack(urls["gateway"], urls["webhook"], urls["console"],
+                      f"http://127.0.0.1:{os.environ['CLORA_LEARNER_METRICS_PORT']}/metrics", platform.admin_token())
+        return platform, stack
+
+    def _progress(self, mode: str, total: int | None = None) -> Callable[[str, StepRecord], None]:
+        total = total or self.config.steps
+
+        def line(tenant: str, s: StepRecord) -> None:
+            v = "base" if s.sampled_version is None else f"v{s.sampled_version}"
+            new = f" -> v{s.new_version}" if s.new_version is not None else ""
+            with self._lock:
+                self.console.print(f"[{mode}] {tenant} step {s.step}/{total}: rollout {s.rollout_s:.1f} s "
+                                   f"(on {v}, reward {s.reward:.2f}, {s.rollouts} episodes), train {s.train_s:.1f} s "
+                                   f"({s.train_examples} examples), sync {s.sync_s:.1f} s: {s.outcome}{new}",
+                                   highlight=False)
+        return line
+
+    def sequential(self, n: int) -> list[ExperimentResult]:
+        """Mode A: n experiments one after another, each on its own fresh platform."""
+        results, clock = [], time.monotonic()
+        for i in range(n):
+            started = time.monotonic() - clock
+            platform, stack = self._start(f"seq-{i}")
+            try:
+                startup = time.monotonic() - clock - started
+                self.console.print(f"[A] experiment {i + 1}/{n}: platform up in {startup:.0f} s")
+                steps = Experiment(stack, f"seq-{i}", i, self.config, self._progress("A")).run()
+                ended = time.monotonic() - clock
+            finally:
+                platform.stop()
+            results.append(ExperimentResult(f"seq-{i}", i, started, ended, tuple(steps), startup))
+        return results
+
+    def concurrent(self, ns: Sequence[int]) -> tuple[float, dict[int, list[ExperimentResult]]]:
+        """Mode B: one warm platform; for each n, n fresh tenants at once. Returns (start-up +
+        warm-up seconds, experiments per n)."""
+        started = time.monotonic()
+        platform, stack = self._start("concurrent")
+        try:
+            warm = replace(self.config, steps=1)
+            Experiment(stack, "warmup", 10_000, warm, self._progress("B warm-up", 1)).run()
+            startup = time.monotonic() - started
+            self.console.print(f"[B] platform up and warm in {startup:.0f} s")
+            out = {}
+            for n in ns:
+                clock = time.monotonic()
+
+                def one(i: int, n=n, clock=clock) -> ExperimentResult:
+                    tenant = f"conc{n}-{i}"
+                    steps = Experiment(stack, tenant, i, self.config, self._progress(f"B N={n}")).run()
+                    return ExperimentResult(tenant, i, 0.0, time.monotonic() - clock, tuple(steps))
+
+                with ThreadPoolExecutor(max_workers=n) as pool:
+                    out[n] = [f.result() for f in [pool.submit(one, i) for i in range(n)]]
+                self.console.print(f"[B] N = {n}: all done in {max(e.ended for e in out[n]):.0f} s")
+        finally:
+            platform.stop()
+        return startup, out
+
+
+def _healthy(gateway: str) -> bool:
+    try:
+        return httpx.get(gateway + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def main(config: BenchConfig) -> dict:
+    return Bench(config).run()

@@ -1,0 +1,15 @@
+"""N independent RL experiments: one after another on fresh platforms vs all at once on one.
+
+    python benchmarks/bench_experiments.py [--n 1,2,4,8 --steps 5 --algorithm rl --model smollm2]
+
+The same as `clora bench experiments` (the logic lives in `clora.agents.experiments`, so
+the installed CLI has it too). Prints a table, writes bench-results/experiments.json and
+bench-results/experiments.png (mean reward vs step per mode).
+"""
+
+import sys
+
+from clora.infra.cli import app
+
+if __name__ == "__main__":
+    app(["bench", "experiments", *sys.argv[1:]], prog_name="clora")

@@ -1,0 +1,117 @@
+"""The pure parts of `clora bench experiments`: statistics, mode A by prefix, the report's shape."""
+
+import json
+import math
+
+import pytest
+
+from clora.agents.experiments import (BenchConfig, ExperimentResult, StepRecord, build_report, compare, mean_std,
+                                      reward_curve, sequential_prefix, summarize, table, training_examples)
+from clora.agents.envs import ArithmeticEnv
+from clora.agents.runtime import EpisodeTrace, Turn
+from clora.agents.simulate import OperatorSimulator, Rollout, StepReport
+from clora.ingest.buffers import is_heldout
+
+
+def step(i: int, reward: float, rollout: float = 2.0, train: float = 3.0, sync: float = 1.0,
+         outcome: str = "published") -> StepRecord:
+    return StepRecord(step=i, sampled_version=i - 1 or None, reward=reward, rollouts=8, train_examples=7,
+                      rollout_s=rollout, train_s=train, sync_s=sync, outcome=outcome, new_version=i, learner_s=0.5)
+
+
+def experiment(index: int, started: float, ended: float, rewards: list[float], **kw) -> ExperimentResult:
+    return ExperimentResult(f"e{index}", index, started, ended,
+                            tuple(step(i + 1, r, **kw) for i, r in enumerate(rewards)), startup_s=1.0)
+
+
+def test_mean_std_uses_the_sample_deviation():
+    assert mean_std([1.0, 0.0, 1.0, 0.0]) == pytest.approx((0.5, 0.5773502))
+    assert mean_std([0.25]) == (0.25, 0.0)
+    assert all(math.isnan(x) for x in mean_std([]))
+
+
+def test_mode_a_at_n_is_the_prefix_of_the_sequential_run():
+    # one after another: [0, 100], [105, 190], [195, 300]
+    seq = [experiment(2, 195, 300, [0.0]), experiment(0, 0, 100, [1.0]), experiment(1, 105, 190, [0.0])]
+    assert [e.index for e in sequential_prefix(seq, 2)] == [0, 1]
+    assert summarize(sequential_prefix(seq, 1))["wall_s"] == 100
+    assert summarize(sequential_prefix(seq, 2))["wall_s"] == 190      # includes the gap (teardown) between them
+    assert summarize(sequential_prefix(seq, 3))["wall_s"] == 300
+    with pytest.raises(ValueError, match="cannot derive N = 4"):
+        sequential_prefix(seq, 4)
+
+
+def test_summary_means_over_every_step_and_final_rewards():
+    exps = [experiment(0, 0, 40, [0.0, 0.5], rollout=2, train=3, sync=1),
+            experiment(1, 0, 50, [0.25, 1.0], rollout=4, train=5, sync=3)]
+    s = summarize(exps)
+    assert s["wall_s"] == 50 and s["mean_experiment_s"] == 45
+    assert (s["mean_rollout_s"], s["mean_train_s"], s["mean_sync_s"], s["mean_step_s"]) == (3, 4, 2, 9)
+    assert s["final_rewards"] == [0.5, 1.0] and s["reward_mean"] == 0.75
+    assert s["reward_std"] == pytest.approx(math.sqrt(0.125))
+    assert s["outcomes"] == {"published": 4} and s["mean_learner_step_s"] == 0.5
+    assert reward_curve(exps) == [0.125, 0.75]
+
+
+def test_speedup_growth_and_the_one_sigma_rule():
+    a = {"wall_s": 800.0, "mean_step_s": 10.0, "reward_mean": 0.5, "reward_std": 0.1}
+    b = {"wall_s": 200.0, "mean_step_s": 18.0, "reward_mean": 0.41, "reward_std": 0.3}
+    r = compare(a, b)
+    assert r["speedup"] == 4.0 and r["step_growth"] == pytest.approx(1.8)
+    assert r["reward_within_1sigma"] and r["reward_delta"] == pytest.approx(-0.09)
+    assert not compare(a, {**b, "reward_mean": 0.39})["reward_within_1sigma"]
+    # identical all-zero rewards (std 0) are within; any difference then is not
+    zero = {**a, "reward_mean": 0.0, "reward_std": 0.0}
+    assert compare(zero, {**b, "reward_mean": 0.0})["reward_within_1sigma"]
+    assert not compare(zero, {**b, "reward_mean": 0.05})["reward_within_1sigma"]
+
+
+def test_report_shape_and_target():
+    config = BenchConfig(ns=(1, 2, 8), steps=2)
+    seq = [experiment(i, 100 * i, 100 * i + 90, [0.0, 0.5]) for i in range(8)]
+    conc = {n: [experiment(i, 0, 150 + i, [0.0, 0.5], rollout=3) for i in range(n)] for n in (1, 2, 8)}
+    report = json.loads(json.dumps(build_report(config, seq, conc, concurrent_startup_s=42.0)))
+
+    assert [r["n"] for r in report["rows"]] == [1, 2, 8]
+    top = report["rows"][-1]
+    assert top["sequential"]["wall_s"] == 790 and top["concurrent"]["wall_s"] == 157
+    assert top["speedup"] == pytest.approx(790 / 157) and top["step_growth"] == pytest.approx(7 / 6)
+    assert report["target"]["met"] is True and report["reference"]["speedup"] == 2.81
+    assert report["rows"][0]["speedup"] == pytest.approx(90 / 150)
+    assert report["curves"] == {"sequential": [0.0, 0.5], "concurrent": {"1": [0.0, 0.5], "2": [0.0, 0.5],
+                                                                          "8": [0.0, 0.5]}}
+    assert len(report["experiments"]["sequential"]) == 8 and len(report["experiments"]["concurrent"]["8"]) == 8
+    first = report["experiments"]["sequential"][0]
+    assert first["seconds"] == 90 and first["final_reward"] == 0.5 and first["steps"][0]["seconds"] == 6
+    assert report["config"]["ns"] == [1, 2, 8] and "prefix" in report["note"]
+    assert table(report).row_count == 3
+
+
+def test_report_without_n8_has_no_verdict():
+    seq = [experiment(i, 10 * i, 10 * i + 9, [0.0]) for i in range(2)]
+    report = build_report(BenchConfig(ns=(1, 2)), seq, {1: seq[:1], 2: seq}, 0.0)
+    assert "met" not in report["target"]
+
+
+def test_training_examples_count_the_kind_minus_held_out():
+    env = ArithmeticEnv()
+    p = env.problem(3, "easy")
+    rollouts = []
+    for k in range(40):   # 40 one-turn episodes answering in plain text: reward 0, corrected
+        msgs = (*p.messages, {"role": "assistant", "content": "12"})
+        rollouts.append(Rollout(p, EpisodeTrace(msgs, (Turn(f"int-{k}", len(p.messages), (), "stop", 10, 2),), "12",
+                                                "reply", "g"), 0.0))
+    report = StepReport("acme", 0, tuple(rollouts), 40, 40, (), 1.0)
+    held_rl = sum(is_heldout(f"env-int-{k}:rl", 0.1) for k in range(40))
+    held_sft = sum(is_heldout(f"op-int-{k}:sft", 0.1) for k in range(40))
+    assert 0 < held_rl + held_sft                     # the fixture exercises the hold-out
+    assert training_examples(report, "rl", None) == 40 - held_rl
+    assert training_examples(report, "sft", OperatorSimulator(env, share=1.0)) == 40 - held_sft
+    assert training_examples(report, "sft", None) == 0
+
+
+def test_config_rejects_empty_counts():
+    with pytest.raises(ValueError, match="--n"):
+        BenchConfig(ns=())
+    with pytest.raises(ValueError, match="--steps"):
+        BenchConfig(steps=0)
