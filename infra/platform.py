@@ -25,10 +25,10 @@ from clora.ingest.producer import ensure_topics
 
 
 def service_process(name: str, args: list[str], env: dict[str, str], logs, healthy=lambda: True,
-                    start_timeout_s: float = 60.0) -> ManagedProcess:
+                    start_timeout_s: float = 60.0, stop_timeout_s: float = 10.0) -> ManagedProcess:
     return ManagedProcess(name=name, argv=[sys.executable, "-m", "clora.infra.cli", *args],
                           log_path=logs / f"{name}.log", healthy=healthy, env=env,
-                          start_timeout_s=start_timeout_s, restart=True)
+                          start_timeout_s=start_timeout_s, stop_timeout_s=stop_timeout_s, restart=True)
 
 
 @dataclass
@@ -69,7 +69,8 @@ class Platform:
                 env = {**env, "CLORA_ENGINE_LOG_DIR": str(logs),
                        "CLORA_GATEWAY_SPOOL_DIR": str(self.settings.data_dir.resolve() / "spool" / "serving")}
                 self._add(service_process("serving", ["serve"], env, logs, lambda: port_open(gw.host, gw.port),
-                                          start_timeout_s=EngineSettings().start_timeout_s))
+                                          start_timeout_s=EngineSettings().start_timeout_s,
+                                          stop_timeout_s=45.0))     # gateway drain, then each vLLM replica
         except Exception:
             self.stop()
             raise

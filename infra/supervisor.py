@@ -52,6 +52,8 @@ class ManagedProcess:
     env: dict[str, str] | None = None
     cwd: Path | None = None
     restart: bool = False
+    stop_timeout_s: float = 10.0
+    """How long `stop` waits after SIGTERM before SIGKILL (a service stopping children needs more)."""
     proc: subprocess.Popen | None = field(default=None, init=False)
     restarts: int = field(default=0, init=False)
     _stopping: threading.Event = field(default_factory=threading.Event, init=False)
@@ -120,7 +122,8 @@ class ManagedProcess:
         if self.alive():
             os.kill(self.proc.pid, sig)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        timeout = self.stop_timeout_s if timeout is None else timeout
         self._stopping.set()
         if self.proc is None or self.proc.poll() is not None:
             return

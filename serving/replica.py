@@ -95,7 +95,8 @@ class Replica:
         logf = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=terminate_with_parent())
         except OSError as e:
             raise ReplicaError(f"starting vLLM replica {self.index} on port {self.port} failed") from e
         finally:
@@ -164,3 +165,17 @@ class Replica:
             raise ReplicaError(f"{what} failed") from e
         if r.status_code != 200:
             raise ReplicaError(f"{what} answered {r.status_code}: {r.text[:500]}")
+
+
+def terminate_with_parent():
+    """A `preexec_fn` that, on Linux, asks for SIGTERM when the spawning process dies, so a
+    SIGKILLed serving process never leaves an orphaned engine holding its port and memory
+    (vLLM's API server then stops its EngineCore itself). None elsewhere. libc is looked up
+    here, in the parent; the child only makes the one call."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
