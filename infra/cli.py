@@ -2,6 +2,7 @@
 
     clora up                          # the whole platform on embedded defaults
     clora tenant create acme          # prints the API key once
+    clora tenant create acme --adapter ./my-lora   # starts from a PEFT LoRA adapter (it becomes v1)
     clora tenant list | rotate-key | revoke-key
     clora webhook | ingest-worker     # single services, for running them apart
     clora bench experiments           # N RL experiments: one after another vs at once
@@ -67,18 +68,22 @@ def _registry():
 @tenant_app.command("create")
 def tenant_create(tenant_id: str, name: str = typer.Option("", help="Display name"),
                   signing_secret: bool = typer.Option(False, help="Require HMAC-signed feedback requests"),
+                  adapter: str = typer.Option(None, "--adapter", help="A PEFT LoRA adapter folder to start from "
+                                              "(adapter_config.json + adapter_model.safetensors); it becomes v1"),
                   as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
     """Create a tenant. Its API key is shown once, now."""
     secret = secrets.token_urlsafe(32) if signing_secret else None
     try:
-        tenant, key = _registry().create_tenant(tenant_id, name=name, signing_secret=secret)
+        tenant, key = _registry().create_tenant(tenant_id, name=name, signing_secret=secret, init_adapter=adapter)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
     if as_json:
-        print(json.dumps({"tenant": tenant.id, "api_key": key, "signing_secret": secret}))
+        print(json.dumps({"tenant": tenant.id, "api_key": key, "signing_secret": secret,
+                          "init_adapter": tenant.init_adapter}))
         return
-    console.print(f"tenant [bold]{tenant.id}[/] created")
+    start = f", starting from the adapter in {tenant.init_adapter} (published as v1)" if tenant.init_adapter else ""
+    console.print(f"tenant [bold]{tenant.id}[/] created{start}")
     console.print(f"API key (shown once): [bold green]{key}[/]")
     if secret:
         console.print(f"signing secret (shown once): [bold yellow]{secret}[/]")
@@ -204,7 +209,7 @@ def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Pri
 
 
 @app.command("demo")
-def demo(minutes: float = typer.Option(10.0, help="Length of the learning phase"),
+def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo, start to final table"),
          eval_size: int = typer.Option(20, help="Held-out problems per tenant for the base/final scores"),
          log_level: str = "WARNING"):
     """The platform teaching three tenants three skills, live, ending with base vs final scores."""
@@ -232,6 +237,8 @@ def bench_experiments(
         step_timeout: float = typer.Option(900.0, help="Longest wait of one train or sync phase (s)"),
         out: str = typer.Option("bench-results/experiments.json", help="JSON output (the plot goes next to it)"),
         keep: bool = typer.Option(False, help="Keep the platforms' data folders (logs, adapters)"),
+        init_adapter: str = typer.Option(None, "--init-adapter", help="A PEFT LoRA adapter folder every "
+                                         "experiment's tenant starts from (served as v1 before step 1)"),
         log_level: str = "WARNING"):
     """N RL experiments of K steps on arithmetic tool use: one after another on fresh platforms
     (cold) vs all at once on one warm platform. Prints a table, writes JSON and a reward plot."""
@@ -246,7 +253,7 @@ def bench_experiments(
             difficulty=None if difficulty == "mixed" else _choice("--difficulty", difficulty, ("easy", "medium", "hard")),
             learning_rate=learning_rate, model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
-            step_timeout_s=step_timeout, out=out, keep=keep)
+            step_timeout_s=step_timeout, out=out, keep=keep, init_adapter=init_adapter)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

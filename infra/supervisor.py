@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -81,7 +82,7 @@ class ManagedProcess:
         env = {**os.environ, **(self.env or {})}
         self.proc = subprocess.Popen(
             list(self.argv), stdout=logf, stderr=subprocess.STDOUT, env=env,
-            cwd=self.cwd, start_new_session=True,
+            cwd=self.cwd, start_new_session=True, preexec_fn=terminate_with_parent(),
         )
         logf.close()
         log.info("started %s (pid %s), log %s", self.name, self.proc.pid, self.log_path)
@@ -144,3 +145,17 @@ class ManagedProcess:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+def terminate_with_parent():
+    """A `preexec_fn` that, on Linux, asks for SIGTERM when the spawning process dies, so a
+    SIGKILLed parent (`clora up`, the demo, the serving process) never leaves orphaned
+    services holding ports and memory. None elsewhere. libc is looked up here, in the
+    parent; the child only makes the one call before exec."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from clora.infra.supervisor import terminate_with_parent
 from clora.serving.residency import ResidentSet
 from clora.serving.settings import EngineSettings
 from clora.serving.vllm_launch import write_site_hook
@@ -165,17 +166,3 @@ class Replica:
             raise ReplicaError(f"{what} failed") from e
         if r.status_code != 200:
             raise ReplicaError(f"{what} answered {r.status_code}: {r.text[:500]}")
-
-
-def terminate_with_parent():
-    """A `preexec_fn` that, on Linux, asks for SIGTERM when the spawning process dies, so a
-    SIGKILLed serving process never leaves an orphaned engine holding its port and memory
-    (vLLM's API server then stops its EngineCore itself). None elsewhere. libc is looked up
-    here, in the parent; the child only makes the one call."""
-    if sys.platform != "linux":
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    PR_SET_PDEATHSIG = 1
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""A vLLM replica never outlives the serving process that started it, even a SIGKILLed one."""
+"""A child the platform starts (a service, a vLLM replica) never outlives its parent, even a
+SIGKILLed one."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_child_started_like_a_replica_dies_with_a_sigkilled_parent():
+def test_child_started_like_a_service_dies_with_a_sigkilled_parent():
     # the "serving process": spawns a long-lived child the way ReplicaProcess.spawn does,
     # prints its pid, then waits to be killed
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import subprocess, sys, time
-        from clora.serving.replica import terminate_with_parent
+        from clora.infra.supervisor import terminate_with_parent
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  start_new_session=True, preexec_fn=terminate_with_parent())
         print(child.pid, flush=True)
