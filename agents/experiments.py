@@ -1,6 +1,7 @@
 """`clora bench experiments`: N independent RL experiments, one after another vs all at once.
 
     clora bench experiments [--n 1,2,4,8] [--steps 5] [--algorithm rl|sft] [--model smollm2|<HF dir>]
+                            [--init-adapter DIR]
     python benchmarks/bench_experiments.py ...      # the same command
 
 Each experiment trains one fresh tenant for K synchronous (on-policy) steps on the arithmetic
@@ -16,6 +17,12 @@ tool-use task. One step:
    once the version (or the gate's rejection) is seen. `eval_tolerance=1` keeps the gate
    from blocking unless the candidate is twice as bad as live;
 3. sync   — until the gateway's `/v1/models` entry for the tenant has root `tenant@v<new>`.
+
+With `--init-adapter DIR` (a PEFT LoRA folder fitting the learner's rank, alpha and modules)
+every tenant, in both modes, is created from that adapter: the learner publishes it as v1,
+and each experiment's first step waits until `tenant@v1` is served before its first rollout
+(that wait is the step's `import_s`, counted in its time). Without it tenants start from a
+fresh LoRA init and sample the base model until their first version.
 
 Mode A (sequential, "cold"): each experiment gets a fresh platform (broker, Redis, learner,
 vLLM engine, gateway; start-up counted in its time), one tenant, then the platform stops —
@@ -57,6 +64,7 @@ from clora.agents.envs.base import Difficulty
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic
+from clora.infra.registry import check_init_adapter
 
 REFERENCE = {"name": "SkyRL", "n": 8, "speedup": 2.81, "step_s": [191.0, 500.0], "step_growth": 2.62}
 TARGET = {"n": 8, "speedup_at_least": 4.0, "step_growth_at_most": 2.0}
@@ -91,10 +99,15 @@ class BenchConfig:
     out: str = "bench-results/experiments.json"
     keep: bool = False
     """Keep the platforms' data folders (logs, adapters) instead of deleting them."""
+    init_adapter: str | None = None
+    """A PEFT LoRA adapter folder every experiment's tenant starts from (made absolute here);
+    None: a fresh LoRA init."""
 
     def __post_init__(self) -> None:
         if not self.ns or min(self.ns) < 1 or self.steps < 1:
             raise ValueError(f"--n must list counts >= 1 and --steps must be >= 1 (got {self.ns}, {self.steps})")
+        if self.init_adapter is not None:  # checked now, not after minutes of platform start-up
+            object.__setattr__(self, "init_adapter", check_init_adapter(self.init_adapter))
 
 
 # --- what one run records ------------------------------------------------------------------
@@ -103,7 +116,8 @@ class BenchConfig:
 @dataclass(frozen=True)
 class StepRecord:
     """One experiment step. Example: rollout 4.1 s on v2 (reward 0.25 over 8 episodes), train
-    9.8 s (learner step 3.2 s of it) -> v3 published, sync 0.4 s; `train_examples` 14."""
+    9.8 s (learner step 3.2 s of it) -> v3 published, sync 0.4 s; `train_examples` 14. With
+    `--init-adapter`, step 1 first waited `import_s` (say 2.5 s) for the imported v1 to be served."""
 
     step: int
     sampled_version: int | None
@@ -119,10 +133,12 @@ class StepRecord:
     learner_s: float | None = None
     """The learner's own time for the optimizer step (from its metrics history)."""
     errors: int = 0
+    import_s: float = 0.0
+    """Before the rollout: the wait for the imported v1 to be served (step 1 with --init-adapter)."""
 
     @property
     def seconds(self) -> float:
-        return self.rollout_s + self.train_s + self.sync_s
+        return self.import_s + self.rollout_s + self.train_s + self.sync_s
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,7 @@ def summarize(experiments: Sequence[ExperimentResult]) -> dict:
         "wall_s": max(e.ended for e in experiments) - min(e.started for e in experiments),
         "mean_experiment_s": statistics.fmean(e.seconds for e in experiments),
         "mean_startup_s": statistics.fmean(e.startup_s for e in experiments),
+        "mean_import_s": statistics.fmean(sum(s.import_s for s in e.steps) for e in experiments),
         "mean_step_s": statistics.fmean(s.seconds for s in steps),
         "mean_rollout_s": statistics.fmean(s.rollout_s for s in steps),
         "mean_train_s": statistics.fmean(s.train_s for s in steps),
@@ -354,8 +371,10 @@ class Experiment:
     def _create_tenant(self) -> str:
         policy = {"algorithm": self.c.algorithm, "learning_rate": self.c.learning_rate, "batch_size": 1,
                   "min_new_examples": 1, "eval_tolerance": 1.0, "paused": True}
-        r = self.http.post(f"{self.stack.console}/api/tenants", json={"id": self.tenant, "name": "bench experiment",
-                                                                      "policy": policy})
+        body = {"id": self.tenant, "name": "bench experiment", "policy": policy}
+        if self.c.init_adapter is not None:
+            body["init_adapter"] = self.c.init_adapter
+        r = self.http.post(f"{self.stack.console}/api/tenants", json=body)
         if r.status_code != 201:
             raise ExperimentError(f"creating tenant {self.tenant} failed: {r.status_code} {r.text}")
         return r.json()["api_key"]
@@ -366,12 +385,13 @@ class Experiment:
             raise ExperimentError(f"policy {changes} of {self.tenant} refused: {r.status_code} {r.text}")
 
     def _step(self, traffic: TenantTraffic) -> StepRecord:
+        import_s = self._wait_import() if self.c.init_adapter is not None and self.live is None else 0.0
         sampled = self.live
         report = traffic.step()
         n = training_examples(report, self.c.algorithm, self.operator)
         common = dict(step=report.step + 1, sampled_version=sampled, reward=report.mean_reward,
                       rollouts=len(report.rollouts), train_examples=n, rollout_s=report.seconds,
-                      errors=len(report.errors))
+                      errors=len(report.errors), import_s=import_s)
         if n == 0:
             return StepRecord(**common, train_s=0.0, sync_s=0.0, outcome="no data")
         started = time.monotonic()
@@ -387,6 +407,16 @@ class Experiment:
             sync_s = time.monotonic() - started
         return StepRecord(**common, train_s=train_s, sync_s=sync_s, outcome=outcome, new_version=version,
                           learner_s=learner_s)
+
+    def _wait_import(self) -> float:
+        """Wait until the imported adapter (the tenant's v1) is served; returns the seconds waited."""
+        started = time.monotonic()
+        if not self._wait_served(1):
+            raise ExperimentError(f"{self.tenant}: the imported adapter {self.c.init_adapter} was not served as v1 "
+                                  f"within {self.c.step_timeout_s:.0f} s (the learner log says why, e.g. a rank, "
+                                  "alpha or target modules that do not match the learner's)")
+        self.live = 1
+        return time.monotonic() - started
 
     def _train(self, n: int) -> tuple[Outcome, int | None, float | None]:
         """Let the learner take one step on the `n` new examples; wait for its version or the
@@ -454,7 +484,8 @@ class Bench:
         c = self.config
         self.console.print(f"[bold]clora bench experiments[/]: N = {list(c.ns)}, {c.steps} steps each, "
                            f"{c.prompts_per_step} prompts × group {c.group_size}, {c.algorithm}, model {c.model}, "
-                           f"{c.training_mode} learner; data under {self.root}")
+                           f"{c.training_mode} learner" + (f", tenants from {c.init_adapter}" if c.init_adapter else "")
+                           + f"; data under {self.root}")
         ok = False
         try:
             self._model_env = self._prepare_model()
@@ -479,6 +510,11 @@ class Bench:
     def _verdict(self, report: dict) -> None:
         self.console.print(report["note"])
         self.console.print(f"mode B platform start-up + warm-up step: {report['concurrent_startup_s']:.0f} s (not counted)")
+        if report["config"]["init_adapter"]:
+            waits = ", ".join(f"N = {r['n']}: A {r['sequential']['mean_import_s']:.1f} s, "
+                              f"B {r['concurrent']['mean_import_s']:.1f} s" for r in report["rows"])
+            self.console.print(f"tenants started from {report['config']['init_adapter']}; mean wait for the "
+                               f"imported v1 to be served (in step 1's time): {waits}")
         for r in report["rows"]:
             if r["n"] == TARGET["n"]:
                 self.console.print(
@@ -557,8 +593,9 @@ class Bench:
         def line(tenant: str, s: StepRecord) -> None:
             v = "base" if s.sampled_version is None else f"v{s.sampled_version}"
             new = f" -> v{s.new_version}" if s.new_version is not None else ""
+            imported = f"imported v1 served after {s.import_s:.1f} s, " if s.import_s else ""
             with self._lock:
-                self.console.print(f"[{mode}] {tenant} step {s.step}/{total}: rollout {s.rollout_s:.1f} s "
+                self.console.print(f"[{mode}] {tenant} step {s.step}/{total}: {imported}rollout {s.rollout_s:.1f} s "
                                    f"(on {v}, reward {s.reward:.2f}, {s.rollouts} episodes), train {s.train_s:.1f} s "
                                    f"({s.train_examples} examples), sync {s.sync_s:.1f} s: {s.outcome}{new}",
                                    highlight=False)

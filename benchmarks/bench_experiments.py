@@ -1,6 +1,7 @@
 """N independent RL experiments: one after another on fresh platforms vs all at once on one.
 
     python benchmarks/bench_experiments.py [--n 1,2,4,8 --steps 5 --algorithm rl --model smollm2]
+                                           [--init-adapter ./my-lora]   # every tenant starts from it (v1)
 
 The same as `clora bench experiments` (the logic lives in `clora.agents.experiments`, so
 the installed CLI has it too). Prints a table, writes bench-results/experiments.json and

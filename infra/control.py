@@ -25,7 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clora.infra.registry import LearningPolicy, Registry, RegistryError, TenantNotFound
+from clora.infra.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
 from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent, DeadLetter
 from clora.ingest.worker import DLQ_RECENT_KEY, LAG_KEY
@@ -43,6 +43,8 @@ class NewTenant(BaseModel):
     id: str = Field(description="slug: a-z, 0-9, '_' or '-'")
     name: str = Field(default="", max_length=200)
     policy: LearningPolicy | None = None
+    init_adapter: str | None = Field(default=None, description="a PEFT LoRA adapter folder on the platform's "
+                                     "disk to start from; it becomes v1")
 
 
 class Rollback(BaseModel):
@@ -125,9 +127,12 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     @api.post("/tenants", status_code=201, dependencies=[Depends(admin)])
     def create_tenant(body: NewTenant):
         try:
-            tenant, key = registry.create_tenant(body.id, name=body.name, policy=body.policy)
+            tenant, key = registry.create_tenant(body.id, name=body.name, policy=body.policy,
+                                                 init_adapter=body.init_adapter)
         except ValidationError as e:
             raise ControlError(422, "invalid_request", f"id: {e.errors()[0]['msg']}", "id") from e
+        except InvalidTenantField as e:
+            raise ControlError(422, "invalid_request", str(e), e.field) from e
         except RegistryError as e:
             raise ControlError(409, "tenant_exists", str(e), "id") from e
         return {"tenant": summary(tenant), "api_key": key, "note": "the API key is shown once"}

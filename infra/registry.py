@@ -24,6 +24,7 @@ import hmac
 import json
 import secrets
 import time
+from pathlib import Path
 from typing import Literal
 
 import redis
@@ -42,6 +43,14 @@ class RegistryError(Exception):
 
 class TenantNotFound(RegistryError):
     pass
+
+
+class InvalidTenantField(RegistryError, ValueError):
+    """A tenant could not be created because one field is wrong; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class LearningPolicy(BaseModel):
@@ -73,6 +82,11 @@ class Tenant(BaseModel):
     policy: LearningPolicy = Field(default_factory=LearningPolicy)
     signing_secret: str | None = None
     """When set, feedback requests must carry an HMAC signature made with it."""
+    init_adapter: str | None = None
+    """Absolute path of a PEFT LoRA adapter folder (adapter_config.json +
+    adapter_model.safetensors) the tenant starts from instead of a fresh LoRA init: the learner
+    publishes it as the tenant's first version and trains on from it. Checked to exist when the
+    tenant is created; its rank, alpha and modules are checked by the learner."""
 
     _id = field_validator("id")(validate_tenant_id)
 
@@ -105,6 +119,8 @@ class AdapterVersion(BaseModel):
     eval_scores: dict[str, float] = Field(default_factory=dict)
     feedback_window: tuple[float, float] | None = None
     """(first, last) time of the feedback this version was trained on."""
+    imported_from: str | None = None
+    """The folder this version was imported from (a tenant's `init_adapter`), None when trained."""
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -112,6 +128,22 @@ class AdapterVersion(BaseModel):
         if self.parent_version is not None and self.parent_version >= self.version:
             raise ValueError("parent_version must be older than version")
         return self
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def check_init_adapter(folder: str | Path) -> str:
+    """The absolute path of a PEFT adapter folder holding both `ADAPTER_FILES`, or
+    `InvalidTenantField("init_adapter", ...)` saying what is missing."""
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise InvalidTenantField("init_adapter", f"{path} is not a directory")
+    missing = [f for f in ADAPTER_FILES if not (path / f).is_file()]
+    if missing:
+        raise InvalidTenantField("init_adapter",
+                                 f"{path} is not a PEFT LoRA adapter folder: missing {', '.join(missing)}")
+    return str(path)
 
 
 def hash_key(key: str) -> str:
@@ -133,10 +165,12 @@ class Registry:
     # --- tenants --------------------------------------------------------------------------
 
     def create_tenant(self, tenant_id: str, *, name: str = "", policy: LearningPolicy | None = None,
-                      signing_secret: str | None = None) -> tuple[Tenant, str]:
-        """Create a tenant and its first API key. Returns (tenant, key): the key is shown once."""
+                      signing_secret: str | None = None, init_adapter: str | Path | None = None) -> tuple[Tenant, str]:
+        """Create a tenant and its first API key. Returns (tenant, key): the key is shown once.
+        `init_adapter`: a PEFT LoRA folder to start from (see `Tenant.init_adapter`)."""
         tenant = Tenant(id=tenant_id, name=name, policy=policy or LearningPolicy(),
-                        signing_secret=signing_secret)
+                        signing_secret=signing_secret,
+                        init_adapter=check_init_adapter(init_adapter) if init_adapter is not None else None)
         if not self.r.sadd(PREFIX + "tenants", tenant.id):
             raise RegistryError(f"tenant {tenant.id!r} already exists")
         self.r.set(self._tkey(tenant.id), tenant.model_dump_json())

@@ -187,15 +187,22 @@ class AdapterStore:
 
     # --- registration -----------------------------------------------------------------------
 
-    def register(self, tenant: str, seed: int) -> AdapterState:
-        """A new tenant from a pristine state: LoRA init from its own seed, zero moments."""
+    def register(self, tenant: str, seed: int, master: torch.Tensor | None = None) -> AdapterState:
+        """A new tenant from a pristine state: zero moments, and master weights from `master`
+        (P,) when given (an imported or published adapter), else a LoRA init from its own seed."""
         with self._lock:
             if tenant in self._states:
                 return self._states[tenant]
+            if master is not None and tuple(master.shape) != (self.layout.numel,):
+                raise ValueError(f"master weights of {tenant!r} have shape {tuple(master.shape)}, "
+                                 f"store expects ({self.layout.numel},)")
             self._check_capacity(tenant)
             g = torch.Generator().manual_seed(seed)
             buffer = torch.zeros(ROWS, self.layout.numel, dtype=torch.float32, pin_memory=self._pin)
-            self.layout.init_(buffer[MASTER], g)
+            if master is None:
+                self.layout.init_(buffer[MASTER], g)
+            else:
+                buffer[MASTER].copy_(master)
             state = AdapterState(tenant=tenant, seed=seed, buffer=buffer, rng_state=g.get_state())
             self._states[tenant] = state
             return state

@@ -8,6 +8,10 @@ shutdown; on start every checkpoint is restored, so a crash loses at most the st
 the last checkpoint. Version numbers come from the registry and the adapters folder, never
 from the checkpoint, so they never go back.
 
+A tenant seen without a checkpoint starts from its live version's weights when it has one
+(checkpoints lost), else from its `init_adapter` (published first, as its v1), else from a
+fresh LoRA init; see `_register`.
+
 With `training_mode="fused"` a tick instead asks the scheduler for up to `fused_max_tenants`
 tenants and trains them all in one fused step (`clora.learner.fused`); a fused tenant is
 written back to the store before it is evaluated, published or checkpointed.
@@ -33,6 +37,7 @@ from clora.learner.evaluate import GateDecision, gate
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.metrics import LearnerMetrics
+from clora.learner.peft_io import AdapterFormatError
 from clora.learner.publish import Publisher
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
@@ -111,20 +116,47 @@ class Learner:
         for t in self.registry.list_tenants():
             if t.id in self._rejected:
                 continue
-            if t.id not in self.store:
-                try:
-                    self.store.register(t.id, tenant_seed(t.id))
-                    self.publisher.clean_partial(t.id)
-                except AdapterCapacityError as e:
-                    log.error("tenant %s will not train: %s", t.id, e)
-                    self._rejected.add(t.id)
-                    continue
+            if t.id not in self.store and not self._register(t):
+                continue
             p = t.policy
             kind = EXAMPLE_KIND[p.algorithm]
             waiting = self.buffer.newer_than(t.id, kind, self.store.peek(t.id).cursor)
             views.append(TenantView(t.id, p.paused, p.weight, p.priority, p.min_new_examples, waiting))
             tenants[t.id] = t
         return views, tenants
+
+    def _register(self, t) -> bool:
+        """Register a tenant that has no checkpoint; False (logged, not retried) when it cannot
+        train: over capacity, or its `init_adapter` does not fit the base model's LoRA layout."""
+        try:
+            self.publisher.clean_partial(t.id)
+            self.store.register(t.id, tenant_seed(t.id), self._start_weights(t))
+        except (AdapterCapacityError, AdapterFormatError) as e:
+            cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
+            log.error("tenant %s will not train: %s%s", t.id, e, cause)
+            self._rejected.add(t.id)
+            return False
+        return True
+
+    def _start_weights(self, t) -> torch.Tensor | None:
+        """The master weights (P,) a tenant without a checkpoint starts from: its live version's,
+        else its `init_adapter`'s (published as a version first, so it serves at once), else
+        None (a fresh LoRA init). An unreadable live version falls back to a fresh init."""
+        live = self.registry.live_version(t.id)
+        if live is None and t.init_adapter:
+            version, flat = self.publisher.import_adapter(t.id, t.init_adapter)
+            log.info("imported %s's initial adapter from %s as v%d", t.id, t.init_adapter, version.version)
+            return flat
+        if live is None:
+            return None
+        try:
+            _, flat = self.publisher.live_weights(t.id)
+        except AdapterFormatError as e:
+            log.warning("tenant %s has no checkpoint and its live v%d is unreadable (%s: %s); starting from a "
+                        "fresh LoRA init", t.id, live, e, e.__cause__)
+            return None
+        log.info("tenant %s has no checkpoint: starting from its live version v%d", t.id, live)
+        return flat
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ one is above every number in the registry AND on disk, so an orphan left by a cr
 rename and registry write is skipped, not reused). After the rename the version is recorded
 in the registry, made live, and an `AdapterEvent` is announced through the injected
 `announce` callable (a Kafka producer in the learner process, a list in tests).
+
+`import_adapter` publishes an existing PEFT LoRA folder (a tenant's `init_adapter`) the same
+way, as a version with step 0 and `imported_from` set, after checking it fits the layout.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class Publisher:
 
     def publish(self, tenant: str, flat: torch.Tensor, *, step: int, examples_seen: int,
                 eval_scores: dict[str, float], parent_version: int | None = None,
-                feedback_window: tuple[float, float] | None = None) -> AdapterVersion:
+                feedback_window: tuple[float, float] | None = None,
+                imported_from: str | None = None) -> AdapterVersion:
         """Write, record, make live and announce a new version of `tenant`'s adapter."""
         version = self.next_version(tenant)
         d = self.tenant_dir(tenant)
@@ -88,7 +92,8 @@ class Publisher:
         final, tmp = d / f"v{version}", d / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         meta = AdapterVersion(version=version, path=str(final.resolve()), base_model=self.base_model,
                               parent_version=parent_version, step=step, examples_seen=examples_seen,
-                              eval_scores=eval_scores, feedback_window=feedback_window)
+                              eval_scores=eval_scores, feedback_window=feedback_window,
+                              imported_from=imported_from)
         try:
             tmp.mkdir()
             write_adapter(tmp, self.layout, flat, self.base_model)
@@ -108,6 +113,15 @@ class Publisher:
                                    base_model=self.base_model, parent_version=parent_version,
                                    metrics={k: float(v) for k, v in eval_scores.items()}))
         return meta
+
+    def import_adapter(self, tenant: str, folder: Path | str) -> tuple[AdapterVersion, torch.Tensor]:
+        """Publish the PEFT LoRA adapter in `folder` as `tenant`'s next version (step 0, no
+        examples, no eval scores). Returns (version, flat weights (P,)). Raises
+        `AdapterFormatError` (nothing published) when it does not match the layout."""
+        flat = read_adapter(Path(folder), self.layout)
+        version = self.publish(tenant, flat, step=0, examples_seen=0, eval_scores={},
+                               imported_from=str(folder))
+        return version, flat
 
     def rollback(self, tenant: str, to_version: int | None = None) -> AdapterVersion:
         """Make an earlier version live: `to_version`, or the one before the live one."""

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
-from clora.agents.experiments import (BenchConfig, ExperimentResult, StepRecord, build_report, compare, mean_std,
-                                      reward_curve, sequential_prefix, summarize, table, training_examples)
+from clora.agents.experiments import (BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
+                                      build_report, compare, mean_std, reward_curve, sequential_prefix, summarize, table,
+                                      training_examples)
 from clora.agents.envs import ArithmeticEnv
 from clora.agents.runtime import EpisodeTrace, Turn
 from clora.agents.simulate import OperatorSimulator, Rollout, StepReport
@@ -115,3 +116,65 @@ def test_config_rejects_empty_counts():
         BenchConfig(ns=())
     with pytest.raises(ValueError, match="--steps"):
         BenchConfig(steps=0)
+
+
+def test_init_adapter_is_checked_when_configured_and_made_absolute(tmp_path, monkeypatch):
+    assert BenchConfig().init_adapter is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lora").mkdir()
+    with pytest.raises(ValueError, match="init_adapter: .* missing adapter_config.json, adapter_model.safetensors"):
+        BenchConfig(init_adapter="lora")
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / "lora" / f).write_text("{}")
+    assert BenchConfig(init_adapter="lora").init_adapter == str(tmp_path / "lora")
+
+
+class _Models:
+    """The gateway's /v1/models for one tenant: the base until poll `served_from`, then tenant@v1."""
+
+    def __init__(self, tenant: str, served_from: int | None):
+        self.tenant, self.served_from, self.polls = tenant, served_from, 0
+
+    def get(self, path: str):
+        assert path == "/v1/models"
+        self.polls += 1
+        v1 = self.served_from is not None and self.polls >= self.served_from
+        data = [{"id": self.tenant, "root": f"{self.tenant}@v1" if v1 else "base"}]
+        return type("Response", (), {"json": lambda _self: {"data": data}})()
+
+
+class _Traffic:
+    """Records which version the experiment believed live when each rollout started."""
+
+    def __init__(self, exp: Experiment):
+        self.exp, self.live_at_rollout = exp, []
+
+    def step(self) -> StepReport:
+        self.live_at_rollout.append(self.exp.live)
+        return StepReport(self.exp.tenant, len(self.live_at_rollout) - 1, (), 0, 0, (), 1.5)
+
+
+def _experiment(tmp_path, served_from: int | None) -> tuple[Experiment, _Traffic]:
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / f).write_text("{}")
+    config = BenchConfig(init_adapter=str(tmp_path), poll_s=0.01, step_timeout_s=0.3)
+    exp = Experiment(Stack("http://gw", "http://wh", "http://console", "http://metrics", "token"), "fork", 0, config)
+    exp.gateway, exp.operator = _Models("fork", served_from), None
+    return exp, _Traffic(exp)
+
+
+def test_first_step_rolls_out_only_once_the_imported_v1_is_served(tmp_path):
+    exp, traffic = _experiment(tmp_path, served_from=3)
+    first, second = exp._step(traffic), exp._step(traffic)
+    assert traffic.live_at_rollout == [1, 1] and exp.gateway.polls == 3   # waited once, before the first rollout
+    assert first.sampled_version == 1 and first.import_s > 0 and second.import_s == 0
+    assert first.seconds == pytest.approx(first.import_s + 1.5) and first.outcome == "no data"
+    exps = [ExperimentResult("fork", 0, 0.0, 10.0, (first, second))]
+    assert summarize(exps)["mean_import_s"] == pytest.approx(first.import_s)
+
+
+def test_an_import_never_served_stops_the_experiment(tmp_path):
+    exp, traffic = _experiment(tmp_path, served_from=None)
+    with pytest.raises(ExperimentError, match="fork: the imported adapter .* was not served as v1"):
+        exp._step(traffic)
+    assert traffic.live_at_rollout == []

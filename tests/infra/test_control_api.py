@@ -48,6 +48,19 @@ def test_create_tenant_shows_key_once(console, registry, tenant_id):
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "id"
 
 
+def test_create_tenant_from_an_adapter_folder(console, registry, tenant_id, tmp_path):
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    url = f"{console.url}/api/tenants"
+    bad = httpx.post(url, headers=admin(console), json={"id": tenant_id, "init_adapter": str(tmp_path / "lora")})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "init_adapter"
+    assert "missing adapter_model.safetensors" in bad.json()["error"]["message"]
+    assert tenant_id not in [t.id for t in registry.list_tenants()]  # nothing half-written
+    (tmp_path / "lora" / "adapter_model.safetensors").write_bytes(b"")
+    r = httpx.post(url, headers=admin(console), json={"id": tenant_id, "init_adapter": str(tmp_path / "lora")})
+    assert r.status_code == 201 and registry.get_tenant(tenant_id).init_adapter == str(tmp_path / "lora")
+
+
 def test_policy_edits_are_validated(console, registry, tenant_id):
     registry.create_tenant(tenant_id)
     url = f"{console.url}/api/tenants/{tenant_id}/policy"

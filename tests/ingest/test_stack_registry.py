@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from clora.infra.registry import LearningPolicy, RegistryError, hash_key
+from clora.infra.registry import InvalidTenantField, LearningPolicy, RegistryError, TenantNotFound, hash_key
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +63,51 @@ def test_bad_tenant_ids_are_refused(registry):
     for bad in ["", "UPPER", "has space", "x" * 80, "../etc"]:
         with pytest.raises(ValueError, match="tenant id"):
             registry.create_tenant(bad)
+
+
+def _adapter_folder(folder, files=("adapter_config.json", "adapter_model.safetensors")):
+    folder.mkdir()
+    for f in files:
+        (folder / f).write_text("{}")
+    return folder
+
+
+def test_init_adapter_is_checked_and_stored_absolute(registry, tenant_id, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _adapter_folder(tmp_path / "my-lora")
+    tenant, _ = registry.create_tenant(tenant_id, init_adapter="my-lora")
+    assert tenant.init_adapter == str(tmp_path / "my-lora")
+    assert registry.get_tenant(tenant_id).init_adapter == str(tmp_path / "my-lora")
+
+    _adapter_folder(tmp_path / "half", files=("adapter_config.json",))
+    for bad, says in [("nowhere", "is not a directory"), ("half", "missing adapter_model.safetensors")]:
+        with pytest.raises(InvalidTenantField, match=says) as e:
+            registry.create_tenant(tenant_id + "-b", init_adapter=bad)
+        assert e.value.field == "init_adapter" and str(e.value).startswith("init_adapter: ")
+        with pytest.raises(TenantNotFound):   # nothing half-written
+            registry.get_tenant(tenant_id + "-b")
+    assert tenant_id + "-b" not in [t.id for t in registry.list_tenants()]
+
+
+def test_cli_tenant_create_with_an_adapter(stack, registry, tenant_id, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from clora.infra.cli import app
+
+    monkeypatch.setenv("CLORA_REDIS_URL", stack.redis_url)
+    monkeypatch.chdir(tmp_path)
+    _adapter_folder(tmp_path / "my-lora")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["tenant", "create", tenant_id, "--adapter", "./my-lora", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)["init_adapter"] == str(tmp_path / "my-lora")
+    assert registry.get_tenant(tenant_id).init_adapter == str(tmp_path / "my-lora")
+    bad = runner.invoke(app, ["tenant", "create", tenant_id + "-b", "--adapter", "./nowhere"])
+    said = " ".join(bad.output.split())  # rich wraps long lines
+    assert bad.exit_code == 2 and said.startswith("error: init_adapter: ")
+    assert said.endswith("nowhere is not a directory")
+    with pytest.raises(TenantNotFound):
+        registry.get_tenant(tenant_id + "-b")
 
 
 def test_external_urls_start_nothing(tmp_path, stack):
