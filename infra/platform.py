@@ -63,7 +63,8 @@ class Platform:
                 model = self._prepare_model(env, logs)
                 env.setdefault("CLORA_ENGINE_MODEL", str(model))
             if "learner" in wanted:
-                self._add(service_process("learner", ["learner"], env, logs))
+                self._add(service_process("learner", ["learner"], env, logs,
+                                          stop_timeout_s=90.0))     # finishes its step, checkpoints every tenant
             if "serving" in wanted:
                 gw = GatewaySettings()
                 env = {**env, "CLORA_ENGINE_LOG_DIR": str(logs),
