@@ -8,7 +8,7 @@ concurrently through the OpenAI gateway:
 
 | tenant    | environment | what it learns                                          |
 |-----------|-------------|---------------------------------------------------------|
-| `calc`    | arithmetic  | call the calculator, then final_answer (tool use)       |
+| `calc`    | arithmetic  | call the calculator, then final_answer (tool use; one-operation problems) |
 | `support` | support     | greet the customer by name, cite the order, sign off    |
 | `extract` | structured  | answer with exactly the JSON object asked for           |
 
@@ -52,11 +52,13 @@ POLICY = {"algorithm": "sft", "learning_rate": 2e-3, "batch_size": 8, "min_new_e
 support style and the JSON task need ~10 steps at batch 8."""
 
 CALC_POLICY = POLICY | {"batch_size": 4, "weight": 4.0}
-"""The calculator format needs ~3x the steps, on sequences ~4x longer (the tool schemas sit in
-the prompt): half-size batches, and four times the support tenant's share of learner time."""
+"""The calculator task needs ~3x the steps (the tool-call format, then the right expression),
+on sequences ~4x longer (the tool schemas sit in the prompt): half-size batches, and four
+times the other tenants' share of learner time. Its problems are the one-operation ("easy")
+kind: on 2 CPU cores ten minutes are not enough for two- and three-step ones."""
 
 TENANTS = (
-    DemoTenant("calc", ArithmeticEnv(), CALC_POLICY),
+    DemoTenant("calc", ArithmeticEnv(difficulties=("easy",)), CALC_POLICY),
     DemoTenant("support", SupportEnv(), POLICY),
     DemoTenant("extract", StructuredEnv(), POLICY),
 )
@@ -99,7 +101,7 @@ class Progress:
 class Demo:
     def __init__(self, minutes: float, eval_size: int, console: Console):
         self.minutes, self.eval_size, self.console = minutes, eval_size, console
-        self.progress = {t.id: Progress(t.id, t.env.name) for t in TENANTS}
+        self.progress = {t.id: Progress(t.id, _task(t.env)) for t in TENANTS}
         self.stop = threading.Event()
 
     # --- wiring -------------------------------------------------------------------------
@@ -120,22 +122,27 @@ class Demo:
             admin = {"Authorization": f"Bearer {platform.admin_token()}"}
             keys = self._tenants(urls["console"], admin)
             agents = {t.id: self._agent(urls["gateway"], keys[t.id], t) for t in TENANTS}
-            self.console.print(f"platform up in {time.monotonic() - started:.0f} s; measuring the base model "
+            phases = {"startup_s": time.monotonic() - started}
+            self.console.print(f"platform up in {phases['startup_s']:.0f} s; measuring the base model "
                                f"on {self.eval_size} held-out problems per tenant ...")
             eval_started = time.monotonic()
             for tid, score in self._score_all(agents, base=True).items():
                 self.progress[tid].base_score = score
-            base_eval_s = time.monotonic() - eval_started
+            base_eval_s = phases["base_eval_s"] = time.monotonic() - eval_started
             # the adapters' final evaluation takes longer than the base's (LoRA decoding on CPU
             # is ~3x slower, and tool use takes more turns): keep three times the base's time for it
             deadline = started + self.minutes * 60 - 3 * base_eval_s - 10
             learn_started = time.monotonic()
             self._learn(urls, keys, agents, admin, learn_started, deadline)
+            phases["learning_s"] = time.monotonic() - learn_started
             self.console.print("learning phase over; evaluating every tenant's live adapter ...")
+            eval_started = time.monotonic()
             for tid, score in self._score_all(agents).items():
                 p = self.progress[tid]
                 p.score, p.score_version = score, self._live(urls["console"], admin, tid)
-            result = self._report(time.monotonic() - learn_started, time.monotonic() - started)
+            phases["final_eval_s"] = time.monotonic() - eval_started
+            phases["total_s"] = time.monotonic() - started
+            result = self._report(phases)
         return result
 
     @staticmethod
@@ -252,7 +259,7 @@ class Demo:
 
     # --- the end ---------------------------------------------------------------------------
 
-    def _report(self, learn_s: float, total_s: float) -> dict:
+    def _report(self, phases: dict[str, float]) -> dict:
         table = Table(title="clora demo — held-out score, base model vs final adapter")
         for col in ("tenant", "task", "base", "final", "version", "learner steps", "corrections", "rollouts"):
             table.add_column(col)
@@ -265,9 +272,11 @@ class Demo:
                                                     "learner_steps", "corrections", "rollouts", "errors")}
                         | {"reward_history": p.history})
         self.console.print(table)
-        self.console.print(f"learning phase {learn_s:.0f} s, whole demo {total_s:.0f} s")
-        result = {"tenants": rows, "learning_seconds": learn_s, "total_seconds": total_s,
-                  "eval_size": self.eval_size, "time": time.time()}
+        self.console.print(f"start-up {phases['startup_s']:.0f} s, base evaluation {phases['base_eval_s']:.0f} s, "
+                           f"learning {phases['learning_s']:.0f} s, final evaluation {phases['final_eval_s']:.0f} s: "
+                           f"whole demo {phases['total_s']:.0f} s (budget {self.minutes * 60:.0f} s)")
+        result = {"tenants": rows, "phases": phases, "budget_s": self.minutes * 60, "eval_size": self.eval_size,
+                  "time": time.time()}
         out = Path("bench-results/demo.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
@@ -284,6 +293,13 @@ class _NoLive:
 
     def update(self, _table) -> None:
         pass
+
+
+def _task(env: TaskEnv) -> str:
+    """The environment's name, with its difficulties when it uses only some: "arithmetic (easy)"."""
+    from clora.agents.envs.base import DIFFICULTIES
+
+    return env.name if env.difficulties == DIFFICULTIES else f"{env.name} ({'/'.join(env.difficulties)})"
 
 
 def _fmt(x: float | None) -> str:

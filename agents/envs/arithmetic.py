@@ -18,7 +18,7 @@ import random
 import re
 from typing import Any
 
-from clora.agents.envs.base import Difficulty, Problem, TaskEnv
+from clora.agents.envs.base import DIFFICULTIES, Difficulty, Problem, TaskEnv
 from clora.agents.tools import Calculator, FinalAnswer, ToolRegistry, evaluate
 
 SYSTEM = "Solve the problem. Use the calculator, then call final_answer."
@@ -90,8 +90,8 @@ class ArithmeticEnv(TaskEnv):
     name = "arithmetic"
     tools = ToolRegistry.of([Calculator, FinalAnswer])
 
-    def __init__(self, tolerance: float = 1e-6):
-        super().__init__()
+    def __init__(self, tolerance: float = 1e-6, difficulties: tuple[Difficulty, ...] = DIFFICULTIES):
+        super().__init__(difficulties)
         self.tolerance = tolerance
 
     def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:

@@ -66,7 +66,12 @@ class TaskEnv:
     tools: ToolRegistry = ToolRegistry()
     held_out_size: int = 30
 
-    def __init__(self) -> None:
+    def __init__(self, difficulties: tuple[Difficulty, ...] = DIFFICULTIES) -> None:
+        if not difficulties or any(d not in DIFFICULTIES for d in difficulties):
+            raise ValueError(f"{self.name}: difficulties must be a non-empty subset of {DIFFICULTIES}, "
+                             f"got {difficulties!r}")
+        self.difficulties = tuple(difficulties)
+        """The difficulties this instance draws from (training problems and the held-out set)."""
         self._held_out: list[Problem] | None = None
 
     def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:
@@ -79,12 +84,12 @@ class TaskEnv:
         return self._make(random.Random(f"{self.name}/{difficulty}/{seed}"), difficulty)
 
     def held_out(self) -> list[Problem]:
-        """The fixed evaluation set: `held_out_size` distinct problems, difficulties in turn."""
+        """The fixed evaluation set: `held_out_size` distinct problems, the instance's difficulties in turn."""
         if self._held_out is None:
             out: dict[str, Problem] = {}
             i = 0
             while len(out) < self.held_out_size:
-                p = self.problem(HELD_OUT_SEED + i, DIFFICULTIES[len(out) % len(DIFFICULTIES)])
+                p = self.problem(HELD_OUT_SEED + i, self.difficulties[len(out) % len(self.difficulties)])
                 out.setdefault(p.key, p)
                 i += 1
                 if i > 100 * self.held_out_size:
@@ -93,7 +98,8 @@ class TaskEnv:
         return list(self._held_out)
 
     def train_problems(self, n: int, seed: int, difficulty: Difficulty | None = None) -> list[Problem]:
-        """`n` training problems drawn from `seed`, none of them held out (difficulty None: mixed)."""
+        """`n` training problems drawn from `seed`, none of them held out (difficulty None: any of
+        the instance's difficulties)."""
         held = {p.key for p in self.held_out()}
         rng = random.Random(f"{self.name}/train/{seed}")
         out: list[Problem] = []
@@ -102,7 +108,7 @@ class TaskEnv:
             tries += 1
             if tries > 100 * n + 100:
                 raise RuntimeError(f"{self.name}: only {len(out)} of {n} training problems avoid the held-out set")
-            p = self.problem(rng.randrange(2**62), difficulty or rng.choice(DIFFICULTIES))
+            p = self.problem(rng.randrange(2**62), difficulty or rng.choice(self.difficulties))
             if p.key not in held:
                 out.append(p)
         return out

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clora.agents.envs.base import Difficulty, Problem, TaskEnv
+from clora.agents.envs.base import DIFFICULTIES, Difficulty, Problem, TaskEnv
 
 SYSTEM = "You are a support agent for Acme. Reply to the customer."
 SIGN_OFF = "— Acme Support"
@@ -69,8 +69,8 @@ def styled_reply(customer: Customer) -> str:
 class SupportEnv(TaskEnv):
     name = "support"
 
-    def __init__(self, rules: tuple[StyleRule, ...] = RULES):
-        super().__init__()
+    def __init__(self, rules: tuple[StyleRule, ...] = RULES, difficulties: tuple[Difficulty, ...] = DIFFICULTIES):
+        super().__init__(difficulties)
         if not rules:
             raise ValueError("SupportEnv needs at least one style rule")
         self.rules = rules

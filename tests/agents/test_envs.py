@@ -136,3 +136,21 @@ def test_structured_reward_gives_credit_per_field():
 def test_structured_reward_is_zero_for_malformed_or_empty_output(answer):
     env = StructuredEnv()
     assert env.reward(env.problem(4, "easy"), answer) == 0.0
+
+
+def test_an_environment_limited_to_some_difficulties_draws_and_holds_out_only_those():
+    env = ArithmeticEnv(difficulties=("easy",))
+    assert {p.difficulty for p in env.held_out()} == {"easy"}
+    assert len(env.held_out()) == env.held_out_size
+    assert {p.difficulty for p in env.train_problems(20, seed=3)} == {"easy"}
+    held = {p.key for p in env.held_out()}
+    assert not held & {p.key for p in env.train_problems(50, seed=4)}
+
+
+def test_unknown_difficulty_is_refused_by_name():
+    import pytest
+
+    with pytest.raises(ValueError, match="difficulties"):
+        ArithmeticEnv(difficulties=("trivial",))
+    with pytest.raises(ValueError, match="difficulties"):
+        SupportEnv(difficulties=())
