@@ -23,9 +23,15 @@ _spec.loader.exec_module(tiny)
 
 
 @pytest.fixture(scope="session")
-def platform(tmp_path_factory):
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with a byte-level tokenizer (tests/serving/tiny.py), built once."""
+    return tiny.make_model(tmp_path_factory.mktemp("e2e-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("e2e")
-    model = tiny.make_model(root / "model")
+    model = tiny_model
     ports = {k: free_port() for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT",
                                       "CONSOLE_PORT", "GATEWAY_PORT", "LEARNER_METRICS_PORT")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}

@@ -21,8 +21,8 @@ from clora.infra.supervisor import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_demo_runs_the_platform_and_reports_every_tenant(tmp_path, platform):
-    model = platform["model"]          # the shared e2e tiny model (its platform keeps running apart)
+def test_demo_runs_the_platform_and_reports_every_tenant(tmp_path, tiny_model):
+    model = tiny_model
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
     env.update({f"CLORA_{k}": str(free_port()) for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT",
                                                          "INGEST_METRICS_PORT", "CONSOLE_PORT", "GATEWAY_PORT",
