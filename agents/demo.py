@@ -103,6 +103,8 @@ class Demo:
         self.minutes, self.eval_size, self.console = minutes, eval_size, console
         self.progress = {t.id: Progress(t.id, _task(t.env)) for t in TENANTS}
         self.stop = threading.Event()
+        self.deadline = float("inf")
+        """When the learning phase ends (monotonic clock)."""
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -123,17 +125,25 @@ class Demo:
             keys = self._tenants(urls["console"], admin)
             agents = {t.id: self._agent(urls["gateway"], keys[t.id], t) for t in TENANTS}
             phases = {"startup_s": time.monotonic() - started}
-            self.console.print(f"platform up in {phases['startup_s']:.0f} s; measuring the base model "
-                               f"on {self.eval_size} held-out problems per tenant ...")
-            eval_started = time.monotonic()
-            for tid, score in self._score_all(agents, base=True).items():
-                self.progress[tid].base_score = score
-            base_eval_s = phases["base_eval_s"] = time.monotonic() - eval_started
-            # the adapters' final evaluation takes longer than the base's (LoRA decoding on CPU
-            # is ~3x slower, and tool use takes more turns): keep three times the base's time for it
-            deadline = started + self.minutes * 60 - 3 * base_eval_s - 10
+            self.console.print(f"platform up in {phases['startup_s']:.0f} s; learning starts now, while the base "
+                               f"model is measured on {self.eval_size} held-out problems per tenant ...")
+            # the base model's evaluation runs beside the first traffic steps (the learner has
+            # nothing to train on yet). The final evaluation of the adapters takes longer than the
+            # base's (LoRA decoding on CPU is slower, tool use takes more turns): learning stops
+            # early enough to leave it 2.5x the base evaluation's time (30% of the budget until that is known)
+            self.deadline = started + self.minutes * 60 * 0.7
             learn_started = time.monotonic()
-            self._learn(urls, keys, agents, admin, learn_started, deadline)
+
+            def base_eval() -> None:
+                for tid, score in self._score_all(agents, base=True).items():
+                    self.progress[tid].base_score = score
+                phases["base_eval_s"] = time.monotonic() - learn_started
+                self.deadline = started + self.minutes * 60 - 2.5 * phases["base_eval_s"] - 10
+
+            base = threading.Thread(target=base_eval, name="base-eval", daemon=True)
+            base.start()
+            self._learn(urls, keys, agents, admin, learn_started)
+            base.join()
             phases["learning_s"] = time.monotonic() - learn_started
             self.console.print("learning phase over; evaluating every tenant's live adapter ...")
             eval_started = time.monotonic()
@@ -193,8 +203,8 @@ class Demo:
 
     # --- the learning phase -----------------------------------------------------------------
 
-    def _learn(self, urls: dict, keys: dict, agents: dict, admin: dict, learn_started: float,
-               deadline: float) -> None:
+    def _learn(self, urls: dict, keys: dict, agents: dict, admin: dict, learn_started: float) -> None:
+        """Drive every tenant's traffic until `self.deadline` (which may move while it runs)."""
         traffic = [TenantTraffic(t.id, agents[t.id], t.env, FeedbackClient(urls["webhook"], keys[t.id]),
                                  group_size=2, prompts_per_step=2, concurrency=2, seed=i,
                                  operator=OperatorSimulator(t.env, share=1.0, seed=i))
@@ -202,11 +212,11 @@ class Demo:
 
         def drive(tt: TenantTraffic) -> None:
             p, corrected = self.progress[tt.tenant], 0
-            while not self.stop.is_set() and time.monotonic() < deadline:
+            while not self.stop.is_set() and time.monotonic() < self.deadline:
                 # paced: at most AHEAD correcting steps ahead of this tenant's learner (30 s cap)
                 waited = time.monotonic()
                 while (corrected - p.learner_steps > AHEAD and time.monotonic() - waited < 30
-                       and time.monotonic() < deadline):
+                       and time.monotonic() < self.deadline):
                     time.sleep(0.25)
                 report = tt.step()
                 corrected += report.corrections_sent > 0
