@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .backends import SegmentedBackend
-from .lora_ops import lora_backward, lora_expand, lora_shrink
+from .lora_ops import lora_backward, lora_shrink
 from .segments import SegmentMeta
 
 
@@ -21,8 +21,7 @@ class SegmentedLoRAFunction(torch.autograd.Function):
     def forward(ctx, x, lora_a, lora_b, scale, meta: SegmentMeta, backend: SegmentedBackend):
         # x: (tokens, hidden_in), lora_a: (n, hidden_in, rank), lora_b: (n, rank, hidden_out)
         v = lora_shrink(x, lora_a, meta, backend)  # (tokens, rank)
-        delta = torch.zeros(x.shape[0], lora_b.shape[2], dtype=x.dtype, device=x.device)
-        lora_expand(delta, v, lora_b, scale, meta, backend)  # (tokens, hidden_out)
+        delta = backend.segmented_mm(v, lora_b, meta, scale)  # (tokens, hidden_out): expand into fresh memory
         ctx.save_for_backward(x, v, lora_a, lora_b, scale)
         ctx.meta = meta
         ctx.backend = backend

@@ -44,6 +44,13 @@ def segmented_weight_grad_reference(
     _check(a, b, meta, scale)
     acc = torch.promote_types(a.dtype, torch.float32)  # fp32 accumulation; float64 stays float64
     dw = torch.zeros(meta.num_adapters, a.shape[1], b.shape[1], dtype=acc, device=a.device)
+    if a.dtype == b.dtype == acc:  # fp32 / fp64: one BLAS call per segment, scale as its alpha
+        alphas = scale.tolist() if scale is not None else [1.0] * meta.num_adapters
+        for i in range(meta.num_adapters):
+            s, e = meta.starts[i], meta.starts[i + 1]
+            if s != e:
+                torch.addmm(dw[i], a[s:e].T, b[s:e], beta=0, alpha=alphas[i], out=dw[i])
+        return dw.to(out_dtype or a.dtype)
     for i in range(meta.num_adapters):
         rows = meta.segment(i)
         if rows.start == rows.stop:
