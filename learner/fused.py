@@ -1,5 +1,5 @@
-"""Fused multi-tenant training: one optimizer step for each of K tenants from one forward and
-one backward through the frozen base.
+"""Fused multi-tenant training: one optimizer step for each of K tenants from shared forwards
+and backwards through the frozen base.
 
 Owns `TenantWork` (one tenant's share of a fused step), `FusedStepResult` and `FusedTrainer`.
 A fused step:
@@ -7,20 +7,37 @@ A fused step:
 1. makes the K tenants resident in `FusedSlots` (those already there stay; the others are
    loaded from the adapter store, evicting the least recently used; the store's swap path
    still serves every tenant beyond K);
-2. for each algorithm present (SFT, DPO, RL) and each micro-batch round j, stacks every
-   tenant's j-th micro-batch into one batch sorted by slot (`fuse_token_batches`), runs the
-   model once with the segmented multi-LoRA binding, and backpropagates
+2. for each algorithm present (SFT, DPO, RL): encodes every tenant's examples in the serial
+   step's micro-batches (`micro_batch_size`, exactly as `Trainer.train_step` splits them),
+   then cuts all tenants' sequences into length buckets (`plan_chunks`): chunks of similar
+   width, at most `max_chunk_tokens` padded tokens each, bucketing adding at most
+   `max_padding` of padding. Each chunk is one forward (rows grouped by ascending slot, the
+   segmented multi-LoRA binding) and one backward, accumulating into the tenants' grad rows.
+   The objective gives every sequence the weight it has in the serial step,
 
-       objective = sum over tenants n of  loss_n(chunk_nj) * len(chunk_nj) / len(examples_n)
+       SFT  row i of micro-batch m:   -sum_t logp_it * mask_it * (|m| / |E_n|) / N_m
+       RL   sequence i:               per_seq_i / |E_n|      (the clipped surrogate's row mean)
+       DPO  pair i:                   -log sigmoid(beta * margin_i) / |E_n|
 
-   where loss_n is tenant n's own loss on its own rows (its own mean). Tenant n's weights
-   only touch its own rows, so d objective / d theta_n is exactly the gradient of its solo
-   step (`Trainer.train_step`) on the same data: the tenants share compute, not gradients;
+   (N_m = target tokens of micro-batch m, |E_n| = tenant n's examples), so the sum over
+   chunks is exactly the serial objective sum_m loss_m * |m| / |E_n| whatever the chunking.
+   Tenant n's weights only touch its own rows, so d objective / d theta_n is its solo step's
+   gradient: the tenants share compute, not gradients;
 3. runs `adam_step` on each tenant's own rows with its own step count and learning rate.
 
+The forwards run the LM head only on the hidden states of positions some loss reads (target
+tokens), not on prompt and padding positions: the head is ~20% of a small model's compute per
+token (`_plain_lm_head`; models that post-process logits take the full forward).
+
+With LoRA dropout the unit of bucketing is a whole serial micro-batch instead of a sequence
+(DPO: chosen and rejected in two forwards), at most one per tenant per chunk and in the serial
+order, so each tenant draws its dropout masks from its own generator in the serial order and
+shapes. Without dropout, sequences (DPO: chosen + rejected pairs) bucket freely across
+tenants and micro-batches.
+
 Equivalence with K solo steps holds up to fp32 rounding (tests/learner/test_fused_equivalence.py
-states the tolerance): padding to the widest tenant changes matmul shapes, and the segmented
-kernel sums in another order than the solo `F.linear` chain.
+states the tolerance): other padding changes matmul shapes, the segmented kernel sums in
+another order than the solo `F.linear` chain, and the loss sums in another order.
 """
 
 from __future__ import annotations
@@ -28,17 +45,26 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from clora.kernels import BackendName, SegmentedBackend, make_backend
-from clora.learner.fused_batch import FusedBinding, FusedRows, fuse_token_batches
+from clora.learner.batches import TokenBatch
+from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
-from clora.learner.losses import dpo_loss, group_advantages, policy_gradient_loss, sequence_logprob, sft_loss, token_logprobs
+from clora.learner.losses import group_advantages, token_logprobs
 from clora.learner.optim import adam_step
 from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy
+
+DEFAULT_MAX_CHUNK_TOKENS = {"cpu": 1024, "cuda": 16384}
+"""Padded tokens per fused forward, by device type. On CPU the cost per token is flat from a
+few hundred tokens up and then grows: SmolLM2 on 2 cores ran 32 sequences of 142 tokens 12-15%
+faster (CPU time) as five ~1k-token chunks than as one 4.5k-token forward, whose (tokens, vocab)
+fp32 logits and their gradients (~0.9 GB each) leave the cache and are page-faulted in fresh
+every step. On a GPU bigger is better, up to memory."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +79,10 @@ class TenantWork:
 @dataclass(frozen=True)
 class FusedStepResult:
     """Per-tenant results (same fields as a solo step; `seconds` is the tenant's share of the
-    fused step by target tokens) and where the step's wall time went."""
+    fused step by target tokens) and where the step's wall time went: `prepare_s` encoding,
+    bucketing and packing, `forward_s` forwards and losses, `backward_s`, `optimizer_s`,
+    `swap_s` loading / evicting slots. `tokens` are target tokens, `padded_tokens` the tokens
+    the forwards ran over (real + padding, DPO reference passes not counted), in `chunks` chunks."""
 
     results: tuple[StepResult, ...]
     seconds: float
@@ -62,6 +91,10 @@ class FusedStepResult:
     optimizer_s: float
     swap_s: float
     tokens: int
+    prepare_s: float = 0.0
+    chunks: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
 
 
 @dataclass
@@ -72,8 +105,48 @@ class _Tenant:
     slot: int
     generator: torch.Generator
     advantages: torch.Tensor | None
-    loss: float = 0.0
+    index: int = 0  # position in the step's tenants (ascending slot)
     tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Sequences that always share a chunk: one sequence (SFT, RL) or one chosen + rejected pair
+    (DPO) when sequences bucket freely, a whole serial micro-batch with LoRA dropout.
+
+    `blocks` has one padded block per forward of its chunk (DPO with dropout: chosen, then
+    rejected). `weight` multiplies each of its sequences' (SFT, RL) or pairs' (DPO) loss (see
+    the module doc). `pairs` (DPO): (block, row) of the chosen and of the rejected sequence."""
+
+    tenant: _Tenant
+    blocks: tuple[TokenBatch, ...]
+    round: int
+    weight: float
+    order: int
+    advantages: torch.Tensor | None = None  # RL: (rows,)
+    on_policy: bool = False  # RL: behaviour = the current policy (its micro-batch had no logprobs)
+    pairs: tuple[tuple[int, int, int, int], ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return max(b.input_ids.shape[0] for b in self.blocks)
+
+    @property
+    def width(self) -> int:
+        return max(b.input_ids.shape[1] for b in self.blocks)
+
+
+@dataclass
+class _Timing:
+    """What one fused step accumulates over its chunks (seconds, counts, loss parts)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    chunks: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    losses: list = field(default_factory=list)  # detached per-tenant loss parts, summed at the end
 
 
 class FusedTrainer:
@@ -81,16 +154,27 @@ class FusedTrainer:
 
     Shares model, encoder, adapter store and config with a serial `Trainer` (evaluation and
     solo steps still go through it). The kernel backend is built here (`auto`: Triton on
-    CUDA, the torch reference on CPU).
+    CUDA, the torch reference on CPU). `max_chunk_tokens` bounds the padded tokens of one
+    forward (default by device, `DEFAULT_MAX_CHUNK_TOKENS`; a sequence longer than that runs
+    alone); `max_padding` bounds the padding length bucketing may add (0.1 = 10%).
     """
 
-    def __init__(self, trainer: Trainer, max_tenants: int, backend: BackendName | SegmentedBackend = "auto"):
+    def __init__(self, trainer: Trainer, max_tenants: int, backend: BackendName | SegmentedBackend = "auto",
+                 max_chunk_tokens: int | None = None, max_padding: float = 0.1):
         self.trainer = trainer
         self.model, self.encoder, self.store, self.cfg = trainer.model, trainer.encoder, trainer.store, trainer.cfg
         self.device = trainer.device
         self.slots = FusedSlots(self.model.layout, max_tenants, self.device, self.store.compute_dtype)
         self.backend = make_backend(backend, device=self.device) if isinstance(backend, str) else backend
         self.scale = torch.full((max_tenants,), self.model.spec.scaling, dtype=torch.float32, device=self.device)
+        if max_chunk_tokens is None:
+            kind = torch.device(self.device).type
+            max_chunk_tokens = DEFAULT_MAX_CHUNK_TOKENS.get(kind, DEFAULT_MAX_CHUNK_TOKENS["cpu"])
+        if max_chunk_tokens < 1 or max_padding < 0:
+            raise ValueError(f"fused trainer needs max_chunk_tokens >= 1 and max_padding >= 0, "
+                             f"got {max_chunk_tokens}, {max_padding}")
+        self.max_chunk_tokens, self.max_padding = max_chunk_tokens, max_padding
+        self._head = _plain_lm_head(self.model.model)
 
     @property
     def max_tenants(self) -> int:
@@ -119,11 +203,15 @@ class FusedTrainer:
                 adv = group_advantages(torch.tensor([s.reward for s in w.examples]), [s.group_id for s in w.examples])
             tenants.append(_Tenant(w, slot, self.store.peek(w.tenant).generator(), adv))
         tenants.sort(key=lambda t: t.slot)
-        timing = {"forward": 0.0, "backward": 0.0}
+        for i, t in enumerate(tenants):
+            t.index = i
+        timing = _Timing()
         self.model.train()
         try:
             for algorithm in dict.fromkeys(t.work.policy.algorithm for t in tenants):
-                self._train_algorithm([t for t in tenants if t.work.policy.algorithm == algorithm], timing)
+                self._train_algorithm(algorithm, [t for t in tenants if t.work.policy.algorithm == algorithm], timing,
+                                      len(tenants))
+            losses = torch.stack(timing.losses).sum(0).tolist()  # one device sync for every loss
             o0 = time.perf_counter()
             norms = []
             for t in tenants:
@@ -144,82 +232,183 @@ class FusedTrainer:
             st.examples_seen += len(t.work.examples)
             st.save_generator(t.generator)
             share = seconds * t.tokens / total_tokens if total_tokens else seconds / len(tenants)
-            results.append(StepResult(t.work.tenant, st.step, t.loss, norm, len(t.work.examples), t.tokens, share))
-        return FusedStepResult(tuple(results), seconds, timing["forward"], timing["backward"], optimizer_s, swap_s,
-                               total_tokens)
+            results.append(StepResult(t.work.tenant, st.step, losses[t.index], norm, len(t.work.examples), t.tokens,
+                                      share))
+        return FusedStepResult(tuple(results), seconds, timing.forward, timing.backward, optimizer_s, swap_s,
+                               total_tokens, timing.prepare, timing.chunks, timing.real_tokens, timing.padded_tokens)
 
-    def _train_algorithm(self, tenants: list[_Tenant], timing: dict[str, float]) -> None:
-        """Micro-batch rounds: round j fuses every tenant's j-th micro-batch (as a solo step splits it)."""
-        mb = self.cfg.micro_batch_size
-        rounds = max(math.ceil(len(t.work.examples) / mb) for t in tenants)
-        for j in range(rounds):
-            active = [t for t in tenants if j * mb < len(t.work.examples)]
-            f0 = time.perf_counter()
-            losses = self._losses(active, j * mb, mb)
-            objective = sum(loss * (n / len(t.work.examples)) for t, (loss, n, _) in zip(active, losses))
-            b0 = time.perf_counter()
-            with warnings.catch_warnings():
-                # The per-site parameters are strided views of (K, P) memory and so are their grads,
-                # on purpose (in-place accumulation into each tenant's grad row); torch warns about it.
-                warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
-                objective.backward()
-            self.slots.fold_grads()
-            timing["forward"] += b0 - f0
-            timing["backward"] += time.perf_counter() - b0
-            for t, (loss, n, tokens) in zip(active, losses):
-                self.store.peek(t.work.tenant).micro_steps += 1
-                t.loss += float(loss.detach()) * n / len(t.work.examples)
-                t.tokens += tokens
+    def _train_algorithm(self, algorithm: str, tenants: list[_Tenant], timing: _Timing, num_tenants: int) -> None:
+        """Encode in serial micro-batches, bucket, then one forward + backward per chunk."""
+        p0 = time.perf_counter()
+        free = self.model.spec.dropout == 0
+        units = [u for t in tenants for u in self._units(algorithm, t, free)]
+        plan = plan_chunks([u.rows * len(u.blocks) for u in units], [u.width for u in units], self.max_chunk_tokens,
+                           self.max_padding, None if free else [u.round for u in units])
+        for t in tenants:  # a solo step counts one micro-step per micro-batch
+            self.store.peek(t.work.tenant).micro_steps += math.ceil(len(t.work.examples) / self.cfg.micro_batch_size)
+        timing.prepare += time.perf_counter() - p0
+        for chunk in plan:
+            self._train_chunk(algorithm, sorted((units[i] for i in chunk), key=lambda u: (u.tenant.slot, u.order)),
+                              num_tenants, timing)
 
-    def _bind(self, rows: FusedRows, width: int, active: list[_Tenant]) -> None:
+    def _units(self, algorithm: str, t: _Tenant, free: bool) -> list[_Unit]:
+        """Tenant t's examples encoded in its serial micro-batches (as `Trainer.train_step`
+        encodes them), cut into bucketing units: sequences (or pairs) when `free`, else whole
+        micro-batches. Adds the target tokens to `t.tokens`."""
+        mb, examples, units = self.cfg.micro_batch_size, t.work.examples, []
+        pad = self.encoder.tok.pad_token_id
+        for m, start in enumerate(range(0, len(examples), mb)):
+            chunk = list(examples[start:start + mb])
+            share = len(chunk) / len(examples)  # the serial step's factor for this micro-batch's loss
+            if algorithm == "dpo":
+                chosen, rejected = self.encoder.preference(chunk)
+                t.tokens += chosen.num_target_tokens + rejected.num_target_tokens
+                weight = share / len(chunk)  # dpo_loss: mean over pairs
+                if not free:  # chosen, then rejected: two forwards, as the solo step draws dropout
+                    units.append(_Unit(t, (chosen, rejected), m, weight, len(units),
+                                       pairs=tuple((0, i, 1, i) for i in range(len(chunk)))))
+                    continue
+                for i in range(len(chunk)):
+                    pair = stack_blocks([_row(chosen, i), _row(rejected, i)], pad)
+                    units.append(_Unit(t, (pair,), m, weight, len(units), pairs=((0, 0, 0, 1),)))
+                continue
+            batch = self.encoder.sft(chunk) if algorithm == "sft" else self.encoder.rl(chunk)
+            n_tokens = batch.num_target_tokens
+            t.tokens += n_tokens
+            if algorithm == "sft":
+                if n_tokens == 0:
+                    raise ValueError(f"sft: tenant {t.work.tenant!r}'s micro-batch {m} has no assistant tokens")
+                weight, adv = share / n_tokens, None  # sft_loss: mean over the micro-batch's target tokens
+            else:
+                weight, adv = share / len(chunk), t.advantages[start:start + mb]  # surrogate: mean over sequences
+            on_policy = batch.behaviour_logprobs is None  # the solo step then uses the current policy
+            if not free:
+                units.append(_Unit(t, (batch,), m, weight, len(units), adv, on_policy))
+                continue
+            for i in range(len(chunk)):
+                units.append(_Unit(t, (_row(batch, i),), m, weight, len(units),
+                                   None if adv is None else adv[i:i + 1], on_policy))
+        return units
+
+    def _train_chunk(self, algorithm: str, units: list[_Unit], num_tenants: int, timing: _Timing) -> None:
+        """One chunk (units sorted by slot): pack, forward (DPO: reference passes first),
+        objective, backward into the tenants' grad rows."""
+        p0 = time.perf_counter()
+        pad = self.encoder.tok.pad_token_id
+        generator = {u.tenant.work.tenant: u.tenant.generator for u in units}
+        passes = []
+        for k in range(len(units[0].blocks)):
+            rows, batch = pack_blocks([u.tenant.work.tenant for u in units], [u.tenant.slot for u in units],
+                                      [u.blocks[k] for u in units], pad)
+            timing.real_tokens += int(batch.attention_mask.sum())
+            timing.padded_tokens += batch.input_ids.numel()
+            passes.append((rows, batch.to(self.device), tuple(generator[t] for t in rows.tenants)))
+        timing.chunks += 1
+        f0 = time.perf_counter()
+        timing.prepare += f0 - p0
+        refs = None
+        if algorithm == "dpo":
+            with torch.no_grad(), self.model.adapter_disabled():
+                refs = [self._logprobs(*p) for p in passes]
+        lps = [self._logprobs(*p) for p in passes]
+        per_tenant = self._objective(algorithm, units, [b for _, b, _ in passes], lps, refs, num_tenants)
+        b0 = time.perf_counter()
+        with warnings.catch_warnings():
+            # The per-site parameters are strided views of (K, P) memory and so are their grads,
+            # on purpose (in-place accumulation into each tenant's grad row); torch warns about it.
+            warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
+            per_tenant.sum().backward()
+        self.slots.fold_grads()
+        self.model.bank.fused = None
+        timing.losses.append(per_tenant.detach())
+        timing.forward += b0 - f0
+        timing.backward += time.perf_counter() - b0
+
+    def _logprobs(self, rows: FusedRows, batch: TokenBatch, generators: tuple[torch.Generator, ...]) -> torch.Tensor:
+        """One fused forward -> (R, T-1) log-probabilities of each row's next token where the
+        loss reads them (`loss_mask` 1), 0 elsewhere."""
         self.model.bank.fused = FusedBinding(
             params=self.slots.params, scale=self.scale,
-            meta=rows.segment_meta(width, self.slots.capacity, self.device), backend=self.backend, rows=rows,
-            dropout=self.model.spec.dropout, generators=tuple(t.generator for t in active))
+            meta=rows.segment_meta(batch.input_ids.shape[1], self.slots.capacity, self.device), backend=self.backend,
+            rows=rows, dropout=self.model.spec.dropout, generators=generators)
+        if self._head is None:
+            return token_logprobs(self.model(batch.input_ids, batch.attention_mask), batch.input_ids)
+        decoder, head = self._head
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         use_cache=False).last_hidden_state  # (R, T, H)
+        where = batch.loss_mask.bool()  # (R, T-1)
+        logits = head(hidden[:, :-1][where])  # (N, V): only the N positions any loss reads
+        lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.input_ids[:, 1:][where].unsqueeze(-1))
+        return torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp.squeeze(-1))
 
-    def _logprobs(self, active: list[_Tenant], batches: list, *, adapters: bool = True) -> list[torch.Tensor]:
-        """One fused forward over every active tenant's batch -> per tenant (B_n, T_n - 1) logprobs."""
-        rows, ids, att = fuse_token_batches([t.work.tenant for t in active], [t.slot for t in active], batches,
-                                            self.encoder.tok.pad_token_id)
-        ids, att = ids.to(self.device), att.to(self.device)
-        self._bind(rows, ids.shape[1], active)
-        if adapters:
-            lp = token_logprobs(self.model(ids, att), ids)  # (R, T-1)
-        else:
-            with torch.no_grad(), self.model.adapter_disabled():
-                lp = token_logprobs(self.model(ids, att), ids)
-        return [rows.tenant_view(n, lp) for n in range(len(active))]  # active is sorted by slot, as rows
+    def _objective(self, algorithm: str, units: list[_Unit], batches: list[TokenBatch], lps: list[torch.Tensor],
+                   refs: list[torch.Tensor] | None, num_tenants: int) -> torch.Tensor:
+        """(num_tenants,): each tenant's part of the serial objective carried by this chunk
+        (the module doc's per-sequence weights; `losses.py` has the same formulas per batch)."""
+        dev = self.device
+        if algorithm == "dpo":  # sequence logprobs of every row of every pass, passes concatenated
+            seq = torch.cat([(lp * b.loss_mask).sum(-1) for lp, b in zip(lps, batches)])
+            ref = torch.cat([(lp * b.loss_mask).sum(-1) for lp, b in zip(refs, batches)])
+            base = [0]
+            for b in batches:
+                base.append(base[-1] + b.input_ids.shape[0])
+            chosen, rejected, beta, weight, owner = [], [], [], [], []
+            offset = [0] * len(batches)  # row of the current unit's block in each pass
+            for u in units:
+                for cb, cr, rb, rr in u.pairs:
+                    chosen.append(base[cb] + offset[cb] + cr)
+                    rejected.append(base[rb] + offset[rb] + rr)
+                    beta.append(u.tenant.work.policy.dpo_beta)
+                    weight.append(u.weight)
+                    owner.append(u.tenant.index)
+                for k, blk in enumerate(u.blocks):
+                    offset[k] += blk.input_ids.shape[0]
+            c, r = torch.tensor(chosen, device=dev), torch.tensor(rejected, device=dev)
+            margin = (seq[c] - ref[c]) - (seq[r] - ref[r])
+            part = -F.logsigmoid(torch.tensor(beta, device=dev) * margin) * torch.tensor(weight, device=dev)
+            return torch.zeros(num_tenants, device=dev).index_add(0, torch.tensor(owner, device=dev), part)
+        (lp,), (b,) = lps, batches
+        counts = [u.blocks[0].input_ids.shape[0] for u in units]
 
-    def _losses(self, active: list[_Tenant], start: int, mb: int) -> list[tuple[torch.Tensor, int, int]]:
-        """(loss, examples, target tokens) per active tenant for its micro-batch [start, start + mb)."""
-        algorithm = active[0].work.policy.algorithm
-        chunks = [list(t.work.examples[start:start + mb]) for t in active]
+        def row(values: list) -> torch.Tensor:  # one value per unit -> one per row
+            return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)], device=dev)
+
+        owner, weight, mask = row([u.tenant.index for u in units]), row([u.weight for u in units]), b.loss_mask
         if algorithm == "sft":
-            batches = [self.encoder.sft(c) for c in chunks]
-            lps = self._logprobs(active, batches)
-            return [(sft_loss(lp, b.loss_mask.to(self.device)), len(c), b.num_target_tokens)
-                    for lp, b, c in zip(lps, batches, chunks)]
-        if algorithm == "dpo":
-            pairs = [self.encoder.preference(c) for c in chunks]
-            chosen = [c for c, _ in pairs]
-            rejected = [r for _, r in pairs]
-            ref_c = self._logprobs(active, chosen, adapters=False)
-            ref_r = self._logprobs(active, rejected, adapters=False)
-            pol_c = self._logprobs(active, chosen)
-            pol_r = self._logprobs(active, rejected)
-            out = []
-            for n, (t, c, r) in enumerate(zip(active, chosen, rejected)):
-                cm, rm = c.loss_mask.to(self.device), r.loss_mask.to(self.device)
-                loss = dpo_loss(sequence_logprob(pol_c[n], cm), sequence_logprob(pol_r[n], rm),
-                                sequence_logprob(ref_c[n], cm), sequence_logprob(ref_r[n], rm), t.work.policy.dpo_beta)
-                out.append((loss, len(chunks[n]), c.num_target_tokens + r.num_target_tokens))
-            return out
-        batches = [self.encoder.rl(c) for c in chunks]
-        lps = self._logprobs(active, batches)
-        out = []
-        for t, lp, b, c in zip(active, lps, batches, chunks):
-            behaviour = b.behaviour_logprobs.to(self.device) if b.behaviour_logprobs is not None else lp.detach()
-            adv = t.advantages[start:start + mb].to(self.device)
-            loss = policy_gradient_loss(lp, behaviour, adv, b.loss_mask.to(self.device), t.work.policy.rl_clip_eps)
-            out.append((loss, len(c), b.num_target_tokens))
-        return out
+            part = -(lp * mask).sum(-1) * weight
+        else:  # rl: the clipped surrogate of `policy_gradient_loss`, per sequence
+            on_policy = row([u.on_policy for u in units]).unsqueeze(-1)
+            behaviour = lp.detach() if b.behaviour_logprobs is None else torch.where(on_policy, lp.detach(),
+                                                                                     b.behaviour_logprobs)
+            eps = row([u.tenant.work.policy.rl_clip_eps for u in units]).unsqueeze(-1)
+            adv = torch.cat([u.advantages for u in units]).to(dev).unsqueeze(-1)
+            ratio = torch.exp(lp - behaviour)
+            per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+            part = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1) * weight
+        return torch.zeros(num_tenants, device=dev).index_add(0, owner, part)
+
+
+def _plain_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) when the causal LM's logits are just `lm_head(decoder(...).last_hidden_state)`
+    (Llama, SmolLM2, Qwen2, Mistral), so the head can run on the positions a loss reads only:
+    the LM head is ~20% of SmolLM2's compute per token and prompt positions never need it.
+    None (full forward) for models that post-process logits (softcapping, logit scale)."""
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, a, None) not in (None, 1.0) for a in ("final_logit_softcapping", "logit_scale",
+                                                              "output_multiplier_scale", "logits_scaling")):
+        return None
+    decoder, head = get_decoder(), get_head()
+    if decoder is None or decoder is model or type(head) is not torch.nn.Linear:
+        return None
+    return decoder, head
+
+
+def _row(batch: TokenBatch, i: int) -> TokenBatch:
+    """Row i of a right-padded batch cut to its own length (views)."""
+    n = int(batch.attention_mask[i].sum())
+    blp = batch.behaviour_logprobs
+    return TokenBatch(batch.input_ids[i:i + 1, :n], batch.attention_mask[i:i + 1, :n], batch.loss_mask[i:i + 1, :n - 1],
+                      None if blp is None else blp[i:i + 1, :n - 1])

@@ -8,6 +8,10 @@ and attention shapes, so other blocking and summation order in BLAS) and the seg
 kernel computes x @ A @ B * scale in another association than the solo `F.linear` chain:
 both give fp32 rounding differences of ~1e-7 relative per op, which Adam passes through.
 A wrong normalisation (e.g. one mean over all tenants' tokens) would be off by O(1).
+
+Both layouts of a fused step are covered: without LoRA dropout sequences bucket freely across
+tenants and micro-batches (per-sequence loss weights carry the serial normalisation); with
+dropout whole micro-batches stay together so the dropout masks are drawn as in solo steps.
 """
 
 from __future__ import annotations
@@ -21,26 +25,34 @@ from clora.learner.batches import ChatEncoder
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.fused_slots import FusedCapacityError
 from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.optim import AdamConfig
 from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
 
 from .helpers import pref, rl, sft
 
 REL_TOL = 1e-4
 SPEC = LoraSpec(rank=4, alpha=8, dropout=0.1)
+NO_DROPOUT = LoraSpec(rank=4, alpha=8)
 
 
 def _trainer(model_dir, spec=SPEC, micro_batch_size=2) -> Trainer:
     model, tok = load_base_model(model_dir)
     lm = LoraModel(model, spec)
+    # Adam's eps above the gradients' fp32 noise floor (~1e-8): with the default 1e-8 an element
+    # whose exact gradient cancels to ~0 moves by up to lr in a direction set by rounding noise
+    # (seen: 1.8e-8 solo vs 3.6e-8 fused -> 2e-3 apart after 3 steps). Real gradients here are
+    # 1e-3..1, far above 1e-4, so the update is still Adam's normalised step.
     return Trainer(lm, ChatEncoder(tok, 64), AdapterStore(lm, prefetch=False),
-                   TrainerConfig(micro_batch_size=micro_batch_size))
+                   TrainerConfig(micro_batch_size=micro_batch_size, adam=AdamConfig(eps=1e-4)))
 
 
 def _work() -> dict[str, tuple[list, TrainingPolicy]]:
     """Tenants with different algorithms, batch sizes, sequence lengths and learning rates."""
     sft_p = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
     return {
-        "acme": ([sft("acme", i, f"q{i}?", "yes") for i in range(4)], sft_p),
+        # answers of different lengths: the serial loss is a token mean per micro-batch, which
+        # neither a per-sequence mean nor one token mean over the tenant's whole batch equals
+        "acme": ([sft("acme", i, f"q{i}?", "yes" + " really" * (3 * i % 5)) for i in range(4)], sft_p),
         "beta": ([sft("beta", i, f"a much longer question {i}?", "no no no no") for i in range(3)],
                  sft_p.model_copy(update={"learning_rate": 3e-2})),
         "gamma": ([pref("gamma", i, f"pick {i}?", "good answer", "bad") for i in range(3)],
@@ -66,10 +78,11 @@ def _assert_states_match(serial: Trainer, fused: Trainer, tenants) -> None:
         assert got.buffer[GRAD].abs().sum() == 0 and want.buffer[GRAD].abs().sum() == 0
 
 
-def _run(model_dir, tenants: list[str], groups: list[list[str]], steps: int, max_tenants: int):
+def _run(model_dir, tenants: list[str], groups: list[list[str]], steps: int, max_tenants: int, spec=SPEC,
+         **fused_kw):
     data = _work()
-    serial, fused = _trainer(model_dir), _trainer(model_dir)
-    ft = FusedTrainer(fused, max_tenants, backend="torch")
+    serial, fused = _trainer(model_dir, spec), _trainer(model_dir, spec)
+    ft = FusedTrainer(fused, max_tenants, backend="torch", **fused_kw)
     for i, t in enumerate(tenants):
         serial.store.register(t, seed=100 + i)
         fused.store.register(t, seed=100 + i)
@@ -83,17 +96,67 @@ def _run(model_dir, tenants: list[str], groups: list[list[str]], steps: int, max
     return serial, fused, ft
 
 
+@pytest.mark.parametrize("spec", [SPEC, NO_DROPOUT], ids=["dropout", "bucketed"])
 @pytest.mark.parametrize("tenants", [["acme", "beta"], ["gamma"], ["delta", "eps"]], ids=["sft", "dpo", "rl"])
-def test_fused_step_equals_solo_steps(tiny_model_dir, tenants):
-    serial, fused, _ = _run(tiny_model_dir, tenants, [tenants], steps=3, max_tenants=len(tenants) + 1)
+def test_fused_step_equals_solo_steps(tiny_model_dir, tenants, spec):
+    serial, fused, _ = _run(tiny_model_dir, tenants, [tenants], steps=3, max_tenants=len(tenants) + 1, spec=spec)
     _assert_states_match(serial, fused, tenants)
 
 
-def test_mixed_algorithms_in_one_fused_step_equal_solo_steps(tiny_model_dir):
+@pytest.mark.parametrize("spec", [SPEC, NO_DROPOUT], ids=["dropout", "bucketed"])
+def test_mixed_algorithms_in_one_fused_step_equal_solo_steps(tiny_model_dir, spec):
     tenants = ["acme", "beta", "gamma", "delta", "eps"]
-    serial, fused, ft = _run(tiny_model_dir, tenants, [tenants], steps=2, max_tenants=5)
+    serial, fused, ft = _run(tiny_model_dir, tenants, [tenants], steps=2, max_tenants=5, spec=spec)
     _assert_states_match(serial, fused, tenants)
     assert fused.store.stats.swaps == 0  # the fused path never went through the serial slots
+
+
+def test_bucketed_step_splits_into_chunks_and_still_equals_solo_steps(tiny_model_dir):
+    """A small chunk budget forces several forwards per step, mixing tenants' micro-batches
+    (acme has 2 micro-batches of 2, beta 2 of 2 and 1): the per-sequence weights still give
+    each tenant exactly its serial objective, and the padding stays within the bound."""
+    tenants = ["acme", "beta", "delta"]
+    data = _work()
+    serial, fused = _trainer(tiny_model_dir, NO_DROPOUT), _trainer(tiny_model_dir, NO_DROPOUT)
+    ft = FusedTrainer(fused, 3, backend="torch", max_chunk_tokens=40, max_padding=0.1)
+    for i, t in enumerate(tenants):
+        serial.store.register(t, seed=100 + i)
+        fused.store.register(t, seed=100 + i)
+    for _ in range(2):
+        want = {t: serial.train_step(t, *data[t]) for t in tenants}
+        res = ft.train_step([TenantWork(t, *data[t]) for t in tenants])
+        assert res.chunks >= 4  # 11 sequences cannot share one 40-token forward
+        assert res.padded_tokens <= 1.1 * res.real_tokens
+        for r in res.results:  # the reported loss and tokens are the serial step's
+            assert r.loss == pytest.approx(want[r.tenant].loss, rel=1e-4) and r.tokens == want[r.tenant].tokens
+    ft.flush()
+    _assert_states_match(serial, fused, tenants)
+
+
+def test_bucketing_equals_one_unbucketed_forward(tiny_model_dir):
+    """The same fused step with everything in one forward padded to the widest, logits at every
+    position (the layout before bucketing), and bucketed into small chunks with the LM head on
+    target positions only: same losses, same states."""
+    tenants = ["acme", "beta", "delta", "eps"]
+    data = _work()
+    outs = []
+    for kw in (dict(max_chunk_tokens=10**6, max_padding=10.0), dict(max_chunk_tokens=32, max_padding=0.0)):
+        tr = _trainer(tiny_model_dir, NO_DROPOUT)
+        ft = FusedTrainer(tr, 4, backend="torch", **kw)
+        assert ft._head is not None  # the tiny Llama's logits are lm_head(hidden states)
+        if kw["max_padding"] > 1:
+            ft._head = None  # full logits through the model's own forward
+        for i, t in enumerate(tenants):
+            tr.store.register(t, seed=100 + i)
+        res = ft.train_step([TenantWork(t, *data[t]) for t in tenants])
+        ft.flush()
+        outs.append((tr, res))
+    (one, one_res), (bucketed, bucketed_res) = outs
+    assert one_res.chunks == 2 and bucketed_res.chunks > 4  # one forward per algorithm vs many
+    assert bucketed_res.padded_tokens < one_res.padded_tokens
+    for a, b in zip(one_res.results, bucketed_res.results):
+        assert a.tenant == b.tenant and a.loss == pytest.approx(b.loss, rel=1e-5) and a.tokens == b.tokens
+    _assert_states_match(one, bucketed, tenants)
 
 
 def test_tenants_beyond_k_swap_through_the_store_and_stay_equal(tiny_model_dir):
