@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from clora.learner.lora import LoraLayout
@@ -74,7 +75,7 @@ def read_adapter(folder: Path, layout: LoraLayout) -> torch.Tensor:
     try:
         cfg = json.loads((folder / CONFIG_FILE).read_text())
         tensors = load_file(folder / WEIGHTS_FILE)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:   # missing, unreadable, not JSON, not safetensors
         raise AdapterFormatError(f"reading adapter from {folder} failed") from e
     spec = layout.spec
     if cfg.get("r") != spec.rank or float(cfg.get("lora_alpha", -1)) != spec.alpha:

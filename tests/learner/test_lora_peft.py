@@ -97,3 +97,14 @@ def test_rank_mismatch_is_rejected(tiny, tiny_model_dir, tmp_path):
     other = LoraModel(load_base_model(tiny_model_dir)[0], LoraSpec(rank=8, alpha=8))
     with pytest.raises(AdapterFormatError, match="r=4"):
         read_adapter(tmp_path, other.layout)
+
+
+def test_corrupt_weights_file_is_a_format_error(tiny, tmp_path):
+    # a truncated or foreign file must be the learner's AdapterFormatError (which rejects that
+    # one tenant), never safetensors' own error (which would stop the learner for everyone)
+    model, _ = tiny
+    lm = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    write_adapter(tmp_path, lm.layout, _random_adapter(lm), "tiny")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x01\x00")
+    with pytest.raises(AdapterFormatError, match="reading adapter"):
+        read_adapter(tmp_path, lm.layout)
