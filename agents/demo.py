@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,9 @@ from clora.agents.envs.base import TaskEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic, evaluate
+
+if TYPE_CHECKING:
+    from clora.infra.settings import PlatformSettings
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ TENANTS = (
     DemoTenant("extract", StructuredEnv(), POLICY),
 )
 
-LEARNER_DEFAULTS = {
+PLATFORM_DEFAULTS = {
     "CLORA_LEARNER_EVAL_MAX_EXAMPLES": "12",     # the publish gate evaluates on 12 held-out examples, not 64
     "CLORA_LEARNER_PUBLISH_EVERY": "2",          # gate + publish after every 2nd step of a tenant
     "CLORA_LEARNER_IDLE_SLEEP_S": "0.2",
@@ -71,8 +75,8 @@ LEARNER_DEFAULTS = {
     "CLORA_LEARNER_NUM_THREADS": "1",            # one core trains ...
     "CLORA_ENGINE_RESERVED_CPUS": "1",           # ... the other serves: no OpenMP threads fighting over a core
 }
-"""Learner settings the demo uses unless the environment sets them: on 2 cores every second
-spent evaluating is a second not spent training."""
+"""Learner, gateway and engine settings the demo uses unless the environment sets them: on 2
+cores every second spent evaluating is a second not spent training."""
 
 AHEAD = 2
 """Traffic steps a tenant may run ahead of its learner steps: rollouts compete with training
@@ -156,12 +160,12 @@ class Demo:
         return result
 
     @staticmethod
-    def _fresh_settings(base: "PlatformSettings") -> "PlatformSettings":
+    def _fresh_settings(base: PlatformSettings) -> PlatformSettings:
         """Every demo starts from nothing in its own data folder (`<data_dir>/demo/<time>`), so
         it shows learning from the base model; the converted base model is shared across runs."""
         import os
 
-        for k, v in LEARNER_DEFAULTS.items():
+        for k, v in PLATFORM_DEFAULTS.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("CLORA_LEARNER_MODELS_DIR", str((base.data_dir / "models").resolve()))
         run_dir = base.data_dir / "demo" / time.strftime("%Y%m%d-%H%M%S")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,16 +21,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def _wait(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.5)
-    return False
-
-
-def test_corrections_train_a_version_that_serving_swaps_in(platform):
+def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
     from openai import OpenAI
 
     env = platform["env"]
@@ -54,14 +44,14 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform):
         assert fb.status_code == 202, fb.text
 
     versions = lambda: httpx.get(f"{platform['console']}/api/tenants/acme/versions", headers=admin).json()
-    assert _wait(lambda: versions()["live"] is not None, 300), "the learner published no version"
+    wait_for(lambda: versions()["live"] is not None, 300, interval=0.5, what="the learner to publish a version")
     # pause learning so the live version stops moving (a step already running may still publish)
     assert httpx.post(f"{platform['console']}/api/tenants/acme/pause", headers=admin).json()["paused"]
     served = lambda: {m.id: m for m in client.models.list()}["acme"].model_extra.get("root")
     live = None
     for _ in range(3):
         live = versions()["live"]
-        assert _wait(lambda: served() == f"acme@v{live}", 60), f"gateway serves {served()}, live is v{live}"
+        wait_for(lambda: served() == f"acme@v{live}", 60, interval=0.5, what=f"the gateway to serve live acme@v{live}")
         if versions()["live"] == live:
             break
     folder = Path(next(v["path"] for v in versions()["versions"] if v["version"] == live))
