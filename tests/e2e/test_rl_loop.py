@@ -61,7 +61,7 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
     key = json.loads(out.stdout)["api_key"]
     group, prompts = 16, 2
     r = httpx.patch(f"{platform['console']}/api/tenants/{TENANT}/policy", headers=admin,
-                    json={"algorithm": "rl", "learning_rate": 0.04, "batch_size": group * prompts,
+                    json={"algorithm": "rl", "learning_rate": 0.08, "batch_size": group * prompts,
                           "min_new_examples": group, "eval_tolerance": 1.0})
     assert r.status_code == 200, r.text
 
