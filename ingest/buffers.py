@@ -233,7 +233,8 @@ class BufferPolicy:
     interaction_ttl_s: int = 7 * 24 * 3600
     holdout_fraction: float = 0.1
     """Share of examples (chosen by a hash of their id, so stable) kept out of training for
-    evaluation."""
+    evaluation. RL samples are held out by their group id: a group's rollouts stay together,
+    because group-normalised advantages need the whole group."""
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,11 @@ class SampleBatch:
     cursor: int
     fresh: int
     """How many of `examples` came from after the old cursor."""
+
+
+def holdout_key(example) -> str:
+    """What decides an example's train/held-out side: its id, or for RL samples its group id."""
+    return example.group_id if example.kind == "rl" else example.example_id
 
 
 def is_heldout(example_id: str, fraction: float) -> bool:
@@ -340,7 +346,7 @@ class ReplayBuffer:
                 guard = guards[item.parked_for]
             args += [item.event_id, guard, item.recent, len(item.examples)]
             for ex in item.examples:
-                held = "1" if is_heldout(ex.example_id, self.policy.holdout_fraction) else "0"
+                held = "1" if is_heldout(holdout_key(ex), self.policy.holdout_fraction) else "0"
                 args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json()]
         if pipe is not None:
             return self._add(keys=keys, args=args, client=pipe)
@@ -379,9 +385,11 @@ class ReplayBuffer:
         return self._load(tkey(tenant, "ex", kind), ids)
 
     def sample(self, tenant: str, kind: Kind, n: int, *, cursor: int = 0,
-               fresh_fraction: float = 0.5, seed: int | None = None) -> SampleBatch:
+               fresh_fraction: float = 0.5, seed: int | None = None, fill: bool = True) -> SampleBatch:
         """Up to `n` examples: about `fresh_fraction` of them the oldest not yet seen (seq >
-        cursor), the rest uniformly from older data; either side fills the other's shortfall."""
+        cursor), the rest uniformly from older data; either side fills the other's shortfall.
+        With `fill=False` neither side fills the other's shortfall: `fresh_fraction=1` then
+        gives only examples past the cursor (on-policy RL), however few."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if not 0.0 <= fresh_fraction <= 1.0:
@@ -389,10 +397,10 @@ class ReplayBuffer:
         buf = tkey(tenant, "buf", kind)
         n_old_avail = self.r.zcount(buf, "-inf", cursor)
         want_fresh = max(0, min(n, round(n * fresh_fraction)))
-        if n_old_avail < n - want_fresh:
+        if fill and n_old_avail < n - want_fresh:
             want_fresh = n - n_old_avail
         fresh = self.r.zrangebyscore(buf, f"({cursor}", "+inf", start=0, num=want_fresh, withscores=True) if want_fresh else []
-        n_old = min(n - len(fresh), n_old_avail)
+        n_old = min(n - len(fresh) if fill else n - want_fresh, n_old_avail)
         rng = random.Random(seed)
         ranks = rng.sample(range(n_old_avail), n_old) if n_old else []
         pipe = self.r.pipeline()

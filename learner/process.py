@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 class BufferLike(Protocol):
     def sample(self, tenant: str, kind: str, n: int, *, cursor: int = 0, fresh_fraction: float = 0.5,
-               seed: int | None = None): ...
+               seed: int | None = None, fill: bool = True): ...
     def newer_than(self, tenant: str, kind: str, cursor: int) -> int: ...
     def heldout(self, tenant: str, kind: str, n: int | None = None) -> list: ...
 
@@ -213,8 +213,9 @@ class Learner:
         gen = st.generator()
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         st.save_generator(gen)
-        batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor,
-                                   fresh_fraction=self.s.fresh_fraction, seed=seed)
+        on_policy = policy.algorithm == "rl" and self.s.rl_on_policy
+        batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor, seed=seed,
+                                   fresh_fraction=1.0 if on_policy else self.s.fresh_fraction, fill=not on_policy)
         return batch, [e for e in batch.examples if e.kind == kind]
 
     def _after_step(self, tid: str, policy: TrainingPolicy, batch, examples: list, result) -> None:

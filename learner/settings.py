@@ -44,6 +44,12 @@ class LearnerSettings(BaseSettings):
     """Segmented-kernel backend in fused mode: `auto` = Triton on CUDA, the torch reference on CPU."""
     max_seq_len: int = Field(default=512, ge=8)
     fresh_fraction: float = Field(default=0.5, ge=0, le=1)
+    """SFT and DPO batches: the share of examples not yet trained on; the rest are replayed
+    from older data."""
+    rl_on_policy: bool = True
+    """RL batches take only samples not yet trained on, each once, never replayed: samples
+    from older adapter versions are off-policy, and their clipped ratios mostly carry no
+    gradient or a wrong one. False samples RL like SFT (`fresh_fraction`)."""
     dpo_beta: float = Field(default=0.1, gt=0)
     rl_clip_eps: float = Field(default=0.2, gt=0, lt=1)
     publish_every: int = Field(default=1, ge=1)

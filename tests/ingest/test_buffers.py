@@ -8,7 +8,7 @@ import time
 import pytest
 
 from clora.ingest.buffers import BufferPolicy, ReplayBuffer, is_heldout
-from clora.ingest.schemas import SFTExample
+from clora.ingest.schemas import RLSample, SFTExample
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +62,35 @@ def test_sampling_mixes_fresh_and_old_and_advances_cursor(redis_client, tenant_i
     assert ids[:2] == [4, 5] and all(i < 4 for i in ids[2:]) and len(set(ids)) == 4
     assert buf.newer_than(tenant_id, "sft", second.cursor) == 4
     assert buf.sample(tenant_id, "sft", 20, cursor=second.cursor).fresh == 4
+
+
+def test_on_policy_sampling_takes_only_examples_past_the_cursor(redis_client, tenant_id):
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+    fill(buf, tenant_id, range(10))
+    first = buf.sample(tenant_id, "sft", 6, fresh_fraction=1.0, fill=False)
+    assert [e.interaction_id for e in first.examples] == [f"i{i}" for i in range(6)]
+    # 4 left past the cursor: a batch of 8 is those 4, not topped up with older ones
+    second = buf.sample(tenant_id, "sft", 8, cursor=first.cursor, fresh_fraction=1.0, fill=False, seed=3)
+    assert [e.interaction_id for e in second.examples] == ["i6", "i7", "i8", "i9"] and second.fresh == 4
+    assert buf.sample(tenant_id, "sft", 8, cursor=second.cursor, fresh_fraction=1.0, fill=False).examples == []
+    # the default still fills: the same call with fill=True tops up from older data
+    assert len(buf.sample(tenant_id, "sft", 8, cursor=first.cursor, fresh_fraction=1.0, seed=3).examples) == 8
+
+
+def test_rl_samples_are_held_out_by_group(redis_client, tenant_id):
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.3))
+    for g in range(40):
+        for i in range(4):
+            n = g * 4 + i
+            buf.add_examples(tenant_id, f"fb{n}", [RLSample(
+                example_id=f"fb{n}:rl", tenant=tenant_id, interaction_id=f"i{n}", feedback_event_id=f"fb{n}",
+                time=time.time(), messages=[{"role": "user", "content": f"q{g}"}],
+                response={"role": "assistant", "content": f"a{n}"}, reward=float(i), group_id=f"g{g}")],
+                now=time.time())
+    held = [e.group_id for e in buf.heldout(tenant_id, "rl")]
+    train = [e.group_id for e in buf.latest(tenant_id, "rl", 1000)]
+    assert held and train and not set(held) & set(train)            # no group is split
+    assert all(held.count(g) == 4 for g in held) and all(train.count(g) == 4 for g in train)
 
 
 def test_sampling_validates_arguments(redis_client, tenant_id):

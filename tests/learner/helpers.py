@@ -70,12 +70,12 @@ class FakeBuffer:
     def heldout(self, tenant, kind, n=None):
         return self.held.get((tenant, kind), [])[:n]
 
-    def sample(self, tenant, kind, n, *, cursor=0, fresh_fraction=0.5, seed=None):
+    def sample(self, tenant, kind, n, *, cursor=0, fresh_fraction=0.5, seed=None, fill=True):
         import random
         from types import SimpleNamespace
 
         items = self.data.get((tenant, kind), [])  # seq of items[i] is i + 1
         fresh = items[cursor:cursor + n]
         rng = random.Random(seed)
-        old = [rng.choice(items[:cursor]) for _ in range(n - len(fresh))] if cursor else []
+        old = [rng.choice(items[:cursor]) for _ in range(n - len(fresh))] if cursor and fill else []
         return SimpleNamespace(examples=fresh + old, cursor=cursor + len(fresh), fresh=len(fresh))

@@ -14,7 +14,7 @@ from clora.learner.metrics import LearnerMetrics
 from clora.learner.process import Learner
 from clora.learner.settings import LearnerSettings
 
-from .helpers import FakeBuffer, FakeRegistry, pref, sft
+from .helpers import FakeBuffer, FakeRegistry, pref, rl, sft
 
 
 @pytest.fixture()
@@ -60,6 +60,27 @@ def test_loop_trains_publishes_and_checkpoints(world, tiny_model_dir):
     m = lr.metrics.registry
     assert m.get_sample_value("clora_learner_steps_total", {"tenant": "acme", "algorithm": "sft"}) == 3
     assert m.get_sample_value("clora_learner_publishes_total", {"tenant": "beta", "outcome": "published"}) >= 1
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_rl_batches_are_on_policy_only_unless_configured(world, tiny_model_dir, on_policy):
+    settings, reg, buf = world
+    reg.tenants["rl"] = Tenant(id="rl", policy=LearningPolicy(algorithm="rl", learning_rate=1e-2, batch_size=8,
+                                                               min_new_examples=2))
+    reg.tenants["acme"].policy.paused = reg.tenants["beta"].policy.paused = True
+    for i in range(8):
+        buf.add(rl("rl", i, f"q{i // 4}?", "ab"[i % 2], float(i % 2), f"g{i // 4}"))
+    points = []
+    reg.append_metrics = lambda tenant, point: points.append(point)
+    world = (settings.model_copy(update={"rl_on_policy": on_policy}), reg, buf)
+    lr = _learner(world, tiny_model_dir, [])
+    assert lr.tick() == "rl"
+    for i in range(8, 11):                         # 3 new samples: fewer than a batch
+        buf.add(rl("rl", i, "q2?", "ab"[i % 2], float(i % 2), "g2"))
+    assert lr.tick() == "rl"
+    examples = [p["examples"] for p in points if "loss" in p]
+    # on-policy: only the 3 new samples; otherwise topped up to the batch size with replayed old ones
+    assert examples == ([8, 3] if on_policy else [8, 8])
 
 
 def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(world, tiny_model_dir):
