@@ -309,12 +309,13 @@ def plot(report: dict, path: Path) -> Path | None:
 
 def training_examples(report: StepReport, algorithm: str, operator: OperatorSimulator | None) -> int:
     """How many of the step's examples land in the tenant's training buffer: one per feedback
-    record of the algorithm's kind, minus those the buffers hold out (a hash of the example id;
-    ids as `clora.ingest.joiner` builds them from the simulator's event ids)."""
+    record of the algorithm's kind, minus those the buffers hold out (a hash of the example id,
+    or for RL of the rollout's group id; ids as `clora.ingest.joiner` builds them from the
+    simulator's event ids)."""
     from clora.ingest.buffers import BufferPolicy, is_heldout
 
     if algorithm == "rl":
-        ids = [f"env-{iid}:rl" for r in report.rollouts for iid in r.trace.interaction_ids]
+        ids = [r.trace.group_id or iid for r in report.rollouts for iid in r.trace.interaction_ids]
     else:
         ids = [f"{fb.event_id}:sft" for r in report.rollouts for fb in (operator.review(r) if operator else [])]
     fraction = BufferPolicy().holdout_fraction

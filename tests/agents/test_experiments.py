@@ -98,14 +98,14 @@ def test_training_examples_count_the_kind_minus_held_out():
     env = ArithmeticEnv()
     p = env.problem(3, "easy")
     rollouts = []
-    for k in range(40):   # 40 one-turn episodes answering in plain text: reward 0, corrected
+    for k in range(40):   # 40 one-turn episodes in 10 groups answering in plain text: reward 0, corrected
         msgs = (*p.messages, {"role": "assistant", "content": "12"})
         rollouts.append(Rollout(p, EpisodeTrace(msgs, (Turn(f"int-{k}", len(p.messages), (), "stop", 10, 2),), "12",
-                                                "reply", "g"), 0.0))
+                                                "reply", f"grp{k // 4}"), 0.0))
     report = StepReport("acme", 0, tuple(rollouts), 40, 40, (), 1.0)
-    held_rl = sum(is_heldout(f"env-int-{k}:rl", 0.1) for k in range(40))
+    held_rl = 4 * sum(is_heldout(f"grp{g}", 0.1) for g in range(10))     # RL: whole groups
     held_sft = sum(is_heldout(f"op-int-{k}:sft", 0.1) for k in range(40))
-    assert 0 < held_rl + held_sft                     # the fixture exercises the hold-out
+    assert held_rl > 0 and held_sft > 0               # the fixture exercises both hold-outs
     assert training_examples(report, "rl", None) == 40 - held_rl
     assert training_examples(report, "sft", OperatorSimulator(env, share=1.0)) == 40 - held_sft
     assert training_examples(report, "sft", None) == 0
