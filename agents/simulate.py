@@ -81,14 +81,19 @@ def same_action(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 class OperatorSimulator:
-    """Corrects `share` of the answers it reviews (only wrong ones when `only_wrong`): every
-    turn whose response differs from what the environment says should have followed its
-    prompt gets that as a correction. Decisions are seeded by (seed, interaction id)."""
+    """Corrects `share` of the answers it reviews (only wrong ones when `only_wrong`): the
+    first turn whose response differs from what the environment says should have followed its
+    prompt gets that as a correction, as a reviewer marks where a conversation went off
+    course. The later turns of an episode that went wrong (retries after a wrong tool result)
+    are not corrected: their prompts hold the agent's own mistakes, which the right path never
+    shows. `every_turn=True` corrects every wrong turn. Decisions are seeded by (seed,
+    interaction id)."""
 
-    def __init__(self, env: TaskEnv, share: float = 0.5, *, only_wrong: bool = True, seed: int = 0):
+    def __init__(self, env: TaskEnv, share: float = 0.5, *, only_wrong: bool = True, every_turn: bool = False,
+                 seed: int = 0):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"operator share must be in [0, 1], got {share}")
-        self.env, self.share, self.only_wrong, self.seed = env, share, only_wrong, seed
+        self.env, self.share, self.only_wrong, self.every_turn, self.seed = env, share, only_wrong, every_turn, seed
 
     def review(self, rollout: Rollout) -> list[FeedbackIn]:
         trace = rollout.trace
@@ -103,6 +108,8 @@ class OperatorSimulator:
                 continue
             out.append(FeedbackIn(interaction_id=turn.interaction_id, event_id=f"op-{turn.interaction_id}",
                                   source="operator", correction=Message.model_validate(fix), key="correction"))
+            if not self.every_turn:
+                break
         return out
 
 

@@ -77,6 +77,37 @@ def test_operator_share_and_right_turns_are_respected():
         OperatorSimulator(env, share=1.5)
 
 
+def test_operator_corrects_the_first_wrong_turn_of_an_episode():
+    from clora.agents.envs.arithmetic import calculator_call
+    from clora.agents.runtime import EpisodeTrace, Turn
+    from clora.agents.simulate import Rollout
+
+    env = ArithmeticEnv()
+    p = env.problem(5, "easy")
+    call, result, final = p.reference
+    wrong_call = calculator_call("1+1")
+
+    def rollout(*replies):
+        messages, turns = list(p.messages), []
+        for k, (reply, tool_result) in enumerate(replies):
+            turns.append(Turn(f"i-{k}", len(messages), (), "tool_calls", 1, 1))
+            messages += [reply] + ([{"role": "tool", "tool_call_id": "call_calc", "content": tool_result}]
+                                   if tool_result is not None else [])
+        return Rollout(p, EpisodeTrace(tuple(messages), tuple(turns), None, "max_turns"), 0.0)
+
+    derailed = rollout((wrong_call, "2"), (wrong_call, "2"))         # wrong, then a retry as wrong
+    fixes = OperatorSimulator(env, share=1.0).review(derailed)
+    assert [(f.interaction_id, f.correction.tool_calls[0].function.arguments) for f in fixes] == \
+        [("i-0", call["tool_calls"][0]["function"]["arguments"])]
+    assert [f.interaction_id for f in OperatorSimulator(env, share=1.0, every_turn=True).review(derailed)] == \
+        ["i-0", "i-1"]
+    # the right call, then another calculator call instead of final_answer: the second turn is the mistake
+    stuck = rollout((call, result["content"]), (call, result["content"]))
+    [fix] = OperatorSimulator(env, share=1.0).review(stuck)
+    assert fix.interaction_id == "i-1" and fix.correction.tool_calls[0].function.name == "final_answer"
+    assert fix.correction.tool_calls[0].function.arguments == final["tool_calls"][0]["function"]["arguments"]
+
+
 def test_same_action_ignores_ids_and_json_spacing():
     a = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'}}]}
