@@ -166,7 +166,9 @@ class Recorder:
         latency_ms = (time.monotonic() - self.started) * 1000
         sampling = {k: self.body[k] for k in SAMPLING_KEYS if self.body.get(k) is not None}
         ids = self.interaction_ids()
-        group = self.interaction_id if len(ids) > 1 else None
+        # the caller's rollout group (`metadata.group_id`, checked by the gateway) spans every
+        # turn of a group's episodes; without one, the n choices of one request form a group
+        group = (self.body.get("metadata") or {}).get("group_id") or (self.interaction_id if len(ids) > 1 else None)
         try:
             messages = self._messages()
             out = []

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ from clora.serving.quota import TenantQuota
 from clora.serving.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+_GROUP_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+"""`metadata.group_id`: the rollout group an interaction belongs to (an `Id` of ingest's schemas)."""
 
 UPSTREAM_BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 
@@ -98,6 +102,13 @@ class Gateway:
         n = body.get("n", 1)
         if n is not None and (not isinstance(n, int) or not 1 <= n <= self.settings.max_n):
             raise errors.bad_request(f"n must be an integer in [1, {self.settings.max_n}], got {n!r}", "n")
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise errors.bad_request("metadata must be an object", "metadata")
+        group = (metadata or {}).get("group_id")
+        if group is not None and not (isinstance(group, str) and _GROUP_ID.fullmatch(group)):
+            raise errors.bad_request("metadata.group_id must be 1-128 characters of A-Z a-z 0-9 _ . : @ -, "
+                                     f"got {group!r}", "metadata.group_id")
 
     async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
         """The adapter `model` names for this caller (None: the base model)."""

@@ -99,6 +99,15 @@ def test_completions_and_n(serving, tenants, client_for, interactions):
     assert len(rn.choices) == 3
     evs = interactions([f"{rn.id}-{i}" for i in range(3)])
     assert len(evs) == 3 and {e["group_id"] for e in evs.values()} == {rn.id}
+    # a caller's rollout group (metadata.group_id) spans its requests: every turn of a group's episodes
+    grouped = [c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": q}], n=n, max_tokens=3,
+                                         temperature=1.0, metadata={"group_id": "grp-7"}) for q, n in (("a", 2), ("b", 1))]
+    evs = interactions([f"{grouped[0].id}-0", f"{grouped[0].id}-1", grouped[1].id])
+    assert len(evs) == 3 and {e["group_id"] for e in evs.values()} == {"grp-7"}
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "a"}], max_tokens=3,
+                                  metadata={"group_id": "no spaces allowed"})
+    assert bad.value.body["param"] == "metadata.group_id"
 
 
 def test_stop_and_base_model(serving, tenants, client_for):
