@@ -574,12 +574,13 @@ class Bench:
         """Start a fresh platform; returns (platform, Stack) once the gateway answers /health."""
         from clora.infra.platform import Platform
         from clora.infra.settings import PlatformSettings
+        from clora.infra.supervisor import http_ok
 
         self._platform_env(name)
         platform = Platform(PlatformSettings()).start()
         urls = platform.urls()
         deadline = time.monotonic() + 600
-        while not _healthy(urls["gateway"]):
+        while not http_ok(urls["gateway"] + "/health"):
             if time.monotonic() > deadline:
                 platform.stop()
                 raise ExperimentError(f"gateway {urls['gateway']} never became healthy; logs in {self.root / name}")
@@ -643,13 +644,6 @@ class Bench:
         finally:
             platform.stop()
         return startup, out
-
-
-def _healthy(gateway: str) -> bool:
-    try:
-        return httpx.get(gateway + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def main(config: BenchConfig) -> dict:

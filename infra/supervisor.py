@@ -31,6 +31,19 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when GET `url` answers 200 (e.g. a service's /health); False on any other answer
+    or a connection error."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

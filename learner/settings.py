@@ -40,6 +40,9 @@ class LearnerSettings(BaseSettings):
     `fused_max_tenants` tenants per step in one forward/backward (segmented multi-LoRA kernels)."""
     fused_max_tenants: int = Field(default=4, ge=1, le=64)
     """K: tenants resident at once and trained together in fused mode (others wait their turn)."""
+    fused_max_chunk_tokens: int | None = Field(default=None, ge=1)
+    """Fused mode: padded tokens of one forward/backward chunk at most (None: 1,024 on CPU,
+    16,384 on CUDA). Longer fused batches run as several length-bucketed chunks."""
     fused_backend: Literal["auto", "torch", "triton"] = "auto"
     """Segmented-kernel backend in fused mode: `auto` = Triton on CUDA, the torch reference on CPU."""
     max_seq_len: int = Field(default=512, ge=8)

@@ -12,10 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from clora.infra.supervisor import free_port
+from clora.infra.supervisor import free_port, http_ok
 
 _spec = importlib.util.spec_from_file_location("clora_e2e_tiny", Path(__file__).parents[1] / "serving" / "tiny.py")
 tiny = importlib.util.module_from_spec(_spec)
@@ -45,7 +44,7 @@ def platform(tmp_path_factory, tiny_model):
                           stderr=subprocess.STDOUT)
     gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
     try:
-        deadline_ok = wait(lambda: up.poll() is not None or _healthy(gateway), 400)
+        deadline_ok = wait(lambda: up.poll() is not None or http_ok(gateway + "/health"), 400)
         assert deadline_ok and up.poll() is None, log.read_text()[-4000:]
         yield {"env": env, "gateway": gateway, "webhook": f"http://127.0.0.1:{ports['WEBHOOK_PORT']}",
                "console": f"http://127.0.0.1:{ports['CONSOLE_PORT']}", "root": root, "model": model,
@@ -53,13 +52,6 @@ def platform(tmp_path_factory, tiny_model):
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
-
-
-def _healthy(gateway: str) -> bool:
-    try:
-        return httpx.get(gateway + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def wait(predicate, timeout: float) -> bool:

@@ -26,10 +26,11 @@ def test_pick_group_takes_the_k_smallest_virtual_times_and_skips_ineligible():
 
 def test_learner_in_fused_mode_trains_tenants_together_and_publishes(world, tiny_model_dir):  # noqa: F811
     settings, reg, buf = world
-    fused_world = (settings.model_copy(update={"training_mode": "fused", "fused_max_tenants": 2}), reg, buf)
+    fused_world = (settings.model_copy(update={"training_mode": "fused", "fused_max_tenants": 2,
+                                                "fused_max_chunk_tokens": 64}), reg, buf)
     events = []
     lr = _learner(fused_world, tiny_model_dir, events)
-    assert lr.fused is not None and lr.fused.max_tenants == 2
+    assert lr.fused is not None and lr.fused.max_tenants == 2 and lr.fused.max_chunk_tokens == 64
     trained = [lr.tick_fused() for _ in range(4)]
     # acme (SFT) and beta (DPO) train in the same fused step, 3 fresh batches each, then wait
     assert trained[:3] == [("acme", "beta")] * 3 and trained[3] == ()
@@ -47,3 +48,4 @@ def test_learner_in_fused_mode_trains_tenants_together_and_publishes(world, tiny
 def test_fused_settings_default_to_serial():
     s = LearnerSettings(metrics_port=0)
     assert s.training_mode == "serial" and s.fused_max_tenants == 4 and s.fused_backend == "auto"
+    assert s.fused_max_chunk_tokens is None      # the device's default (1,024 on CPU, 16,384 on CUDA)

@@ -1,0 +1,33 @@
+"""Small helpers of the supervisor: is a service answering?"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from clora.infra.supervisor import free_port, http_ok, port_open
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200 if self.path == "/health" else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_ok_is_true_only_for_a_200():
+    server = HTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert http_ok(base + "/health")
+        assert not http_ok(base + "/busy")                      # answers, but not 200
+        assert port_open("127.0.0.1", server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    closed = free_port()
+    assert not http_ok(f"http://127.0.0.1:{closed}/health", timeout=0.5) and not port_open("127.0.0.1", closed)
+    assert not http_ok("not a url")
