@@ -27,7 +27,7 @@ A fused step:
 
 The forwards run the LM head only on the hidden states of positions some loss reads (target
 tokens), not on prompt and padding positions: the head is ~20% of a small model's compute per
-token (`_plain_lm_head`; models that post-process logits take the full forward).
+token (`plain_lm_head` in trainer.py; models that post-process logits take the full forward).
 
 With LoRA dropout the unit of bucketing is a whole serial micro-batch instead of a sequence
 (DPO: chosen and rejected in two forwards), at most one per tenant per chunk and in the serial
@@ -55,9 +55,9 @@ from clora.kernels import BackendName, SegmentedBackend, make_backend
 from clora.learner.batches import TokenBatch
 from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
-from clora.learner.losses import group_advantages, token_logprobs
+from clora.learner.losses import group_advantages
 from clora.learner.optim import adam_step
-from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy
+from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
 DEFAULT_MAX_CHUNK_TOKENS = {"cpu": 1024, "cuda": 16384}
 """Padded tokens per fused forward, by device type. On CPU the cost per token is flat from a
@@ -174,7 +174,7 @@ class FusedTrainer:
             raise ValueError(f"fused trainer needs max_chunk_tokens >= 1 and max_padding >= 0, "
                              f"got {max_chunk_tokens}, {max_padding}")
         self.max_chunk_tokens, self.max_padding = max_chunk_tokens, max_padding
-        self._head = _plain_lm_head(self.model.model)
+        self._head = plain_lm_head(self.model.model)
 
     @property
     def max_tenants(self) -> int:
@@ -331,15 +331,7 @@ class FusedTrainer:
             params=self.slots.params, scale=self.scale,
             meta=rows.segment_meta(batch.input_ids.shape[1], self.slots.capacity, self.device), backend=self.backend,
             rows=rows, dropout=self.model.spec.dropout, generators=generators)
-        if self._head is None:
-            return token_logprobs(self.model(batch.input_ids, batch.attention_mask), batch.input_ids)
-        decoder, head = self._head
-        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         use_cache=False).last_hidden_state  # (R, T, H)
-        where = batch.loss_mask.bool()  # (R, T-1)
-        logits = head(hidden[:, :-1][where])  # (N, V): only the N positions any loss reads
-        lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.input_ids[:, 1:][where].unsqueeze(-1))
-        return torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp.squeeze(-1))
+        return target_logprobs(self.model, self._head, batch)
 
     def _objective(self, algorithm: str, units: list[_Unit], batches: list[TokenBatch], lps: list[torch.Tensor],
                    refs: list[torch.Tensor] | None, num_tenants: int) -> torch.Tensor:
@@ -386,24 +378,6 @@ class FusedTrainer:
             per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
             part = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1) * weight
         return torch.zeros(num_tenants, device=dev).index_add(0, owner, part)
-
-
-def _plain_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """(decoder, lm_head) when the causal LM's logits are just `lm_head(decoder(...).last_hidden_state)`
-    (Llama, SmolLM2, Qwen2, Mistral), so the head can run on the positions a loss reads only:
-    the LM head is ~20% of SmolLM2's compute per token and prompt positions never need it.
-    None (full forward) for models that post-process logits (softcapping, logit scale)."""
-    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
-    if get_decoder is None or get_head is None:
-        return None
-    cfg = getattr(model, "config", None)
-    if any(getattr(cfg, a, None) not in (None, 1.0) for a in ("final_logit_softcapping", "logit_scale",
-                                                              "output_multiplier_scale", "logits_scaling")):
-        return None
-    decoder, head = get_decoder(), get_head()
-    if decoder is None or decoder is model or type(head) is not torch.nn.Linear:
-        return None
-    return decoder, head
 
 
 def _row(batch: TokenBatch, i: int) -> TokenBatch:

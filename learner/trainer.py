@@ -69,6 +69,39 @@ class StepResult:
 Example = SFTExample | PreferencePair | RLSample
 
 
+def plain_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) when the causal LM's logits are just `lm_head(decoder(...).last_hidden_state)`
+    (Llama, SmolLM2, Qwen2, Mistral), so the head can run on the positions a loss reads only:
+    the LM head is ~20% of SmolLM2's compute per token and prompt positions never need it.
+    None (full forward) for models that post-process logits (softcapping, logit scale)."""
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, a, None) not in (None, 1.0) for a in ("final_logit_softcapping", "logit_scale",
+                                                              "output_multiplier_scale", "logits_scaling")):
+        return None
+    decoder, head = get_decoder(), get_head()
+    if decoder is None or decoder is model or type(head) is not torch.nn.Linear:
+        return None
+    return decoder, head
+
+
+def target_logprobs(model: LoraModel, head: tuple[torch.nn.Module, torch.nn.Linear] | None,
+                    batch: TokenBatch) -> torch.Tensor:
+    """(B, T-1) log p of each next token where `batch.loss_mask` is 1, 0 elsewhere. With a
+    `plain_lm_head` split the head runs on those positions only; without, the full forward."""
+    if head is None:
+        return token_logprobs(model(batch.input_ids, batch.attention_mask), batch.input_ids)
+    decoder, lm_head = head
+    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     use_cache=False).last_hidden_state  # (B, T, H)
+    where = batch.loss_mask.bool()  # (B, T-1)
+    logits = lm_head(hidden[:, :-1][where])  # (N, V): only the N positions a loss reads
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.input_ids[:, 1:][where].unsqueeze(-1))
+    return torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp.squeeze(-1))
+
+
 class Trainer:
     def __init__(self, model: LoraModel, encoder: ChatEncoder, store: AdapterStore, cfg: TrainerConfig = TrainerConfig()):
         self.model = model
@@ -76,11 +109,13 @@ class Trainer:
         self.store = store
         self.cfg = cfg
         self.device = store.device
+        self._head = plain_lm_head(model.model)   # the LM head on target positions only, when it can
 
     # --- losses -------------------------------------------------------------------------------
 
-    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:  # (B, T-1)
-        return token_logprobs(self.model(batch.input_ids, batch.attention_mask), batch.input_ids)
+    def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """(B, T-1) log-probabilities where the loss reads them (loss_mask 1), 0 elsewhere."""
+        return target_logprobs(self.model, self._head, batch)
 
     def _loss(self, examples: Sequence[Example], policy: TrainingPolicy,
               advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:

@@ -33,6 +33,18 @@ def test_known_good_loss_curve(tiny):
     assert losses == pytest.approx(KNOWN_CURVE, abs=2e-3)
 
 
+def test_lm_head_on_target_positions_matches_the_full_forward(tiny):
+    tr = _trainer(tiny)
+    tr.store.register("acme", seed=0)
+    tr.store.activate("acme")
+    assert tr._head is not None                    # a Llama-style model: the head can be split off
+    batch = tr.encoder.sft([sft("acme", 0, "a longer question?", "blue"), sft("acme", 1, "q?", "green sky")])
+    where = batch.loss_mask.bool()
+    full = token_logprobs(tr.model(batch.input_ids, batch.attention_mask), batch.input_ids)
+    only = tr._logprobs(batch)
+    assert torch.allclose(only[where], full[where], atol=1e-5) and not only[~where].any()
+
+
 def _greedy(tr: Trainer, tenant: str, question: str, n: int) -> str:
     from clora.ingest.schemas import Message
 
