@@ -251,7 +251,7 @@ class Learner:
         if held:
             cand = self.trainer.eval_loss(tenant, held, policy)
             live_loss = self.trainer.eval_loss(tenant, held, policy, weights=live[1]) if live else None
-            decision = gate(cand, live_loss, policy.eval_tolerance)
+            decision = gate(cand, live_loss, policy.eval_tolerance, self.s.eval_min_margin)
             scores = {"eval_loss": cand, "eval_examples": float(len(held))}
             if live_loss is not None:
                 scores["live_eval_loss"] = live_loss

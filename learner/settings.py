@@ -58,6 +58,9 @@ class LearnerSettings(BaseSettings):
     publish_every: int = Field(default=1, ge=1)
     """Evaluate and maybe publish after every k optimizer steps of a tenant."""
     eval_max_examples: int = Field(default=64, ge=1)
+    eval_min_margin: float = Field(default=0.01, ge=0)
+    """The publish gate lets a candidate's held-out loss exceed live's by this much (absolute,
+    nats per token for SFT) even where the tenant's relative `eval_tolerance` allows less."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Checkpoint a tenant after every k of its steps (and at every publish and at shutdown)."""
     idle_sleep_s: float = Field(default=1.0, gt=0)

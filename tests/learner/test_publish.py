@@ -120,3 +120,9 @@ def test_gate_publishes_within_tolerance_only():
     assert not gate(1.05, 1.0, 0.02).publish
     assert "worse than live" in gate(1.05, 1.0, 0.02).reason
     assert not gate(float("nan"), 1.0, 0.02).publish
+    # near 0 the absolute floor decides: 0.0098 vs 0.0032 is noise, 0.05 vs 0.0032 is not
+    assert not gate(0.0098, 0.0032, 0.02).publish
+    assert gate(0.0098, 0.0032, 0.02, min_margin=0.01).publish
+    assert not gate(0.05, 0.0032, 0.02, min_margin=0.01).publish
+    assert "beyond 0.01" in gate(0.05, 0.0032, 0.02, min_margin=0.01).reason
+    assert not gate(1.05, 1.0, 0.02, min_margin=0.01).publish     # far from 0 the relative tolerance rules
