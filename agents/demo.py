@@ -74,9 +74,10 @@ TENANTS = (
     DemoTenant("extract", StructuredEnv(), POLICY),
 )
 
-FINAL_EVAL_RESERVE = 1.6
+FINAL_EVAL_RESERVE = 1.8
 """Time left for the final evaluation, in units of the base evaluation's time. Measured: the
-final one took 1.15x the base's (84 s vs 73 s, at a 10-minute budget)."""
+final one took 1.08-1.37x the base's (65-81 s vs 59-60 s at a 10-minute budget; more when calc
+has learned to call its tools, as each problem then takes 2-3 model calls)."""
 
 PLATFORM_DEFAULTS = {
     "CLORA_LEARNER_EVAL_MAX_EXAMPLES": "12",     # the publish gate evaluates on 12 held-out examples, not 64
