@@ -55,7 +55,7 @@ from clora.kernels import BackendName, SegmentedBackend, make_backend
 from clora.learner.batches import TokenBatch
 from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
-from clora.learner.losses import group_advantages
+from clora.learner.losses import clipped_surrogate, group_advantages
 from clora.learner.optim import adam_step
 from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
@@ -368,15 +368,13 @@ class FusedTrainer:
         owner, weight, mask = row([u.tenant.index for u in units]), row([u.weight for u in units]), b.loss_mask
         if algorithm == "sft":
             part = -(lp * mask).sum(-1) * weight
-        else:  # rl: the clipped surrogate of `policy_gradient_loss`, per sequence
+        else:  # rl: the clipped surrogate per sequence, as `policy_gradient_loss` averages it
             on_policy = row([u.on_policy for u in units]).unsqueeze(-1)
             behaviour = lp.detach() if b.behaviour_logprobs is None else torch.where(on_policy, lp.detach(),
                                                                                      b.behaviour_logprobs)
             eps = row([u.tenant.work.policy.rl_clip_eps for u in units]).unsqueeze(-1)
-            adv = torch.cat([u.advantages for u in units]).to(dev).unsqueeze(-1)
-            ratio = torch.exp(lp - behaviour)
-            per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
-            part = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1) * weight
+            adv = torch.cat([u.advantages for u in units]).to(dev)
+            part = clipped_surrogate(lp, behaviour, adv, mask, eps) * weight
         return torch.zeros(num_tenants, device=dev).index_add(0, owner, part)
 
 

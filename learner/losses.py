@@ -57,16 +57,21 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1
     return adv
 
 
-def policy_gradient_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                         mask: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
-    """Clipped importance-sampled policy gradient (PPO/GRPO surrogate).
+def clipped_surrogate(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, clip_eps: float | torch.Tensor = 0.2) -> torch.Tensor:
+    """Clipped importance-sampled policy gradient (PPO/GRPO surrogate) per sequence -> (B,).
 
     ratio = exp(logprobs - behaviour_logprobs)             (B, T)
     per_token = -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)
-    loss = mean over sequences of (mean over that sequence's masked tokens).
+    per sequence: the mean over its masked tokens. `clip_eps` is a float or (B, 1), one per row.
     """
     ratio = torch.exp(logprobs - behaviour_logprobs)
     a = advantages.unsqueeze(-1)  # (B, 1)
-    per_token = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq.mean()
+    per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+    return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def policy_gradient_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
+    """`clipped_surrogate`, mean over sequences -> ()."""
+    return clipped_surrogate(logprobs, behaviour_logprobs, advantages, mask, clip_eps).mean()
