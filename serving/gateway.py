@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,8 +25,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import TypeAdapter, ValidationError
 
 from clora.infra.registry import ApiKeyPrincipal, Registry, RegistryError
+from clora.ingest.schemas import Id
 from clora.serving import errors
 from clora.serving.aliases import AdapterRef, parse_model
 from clora.serving.completions import Kind, Recorder, upstream_body
@@ -40,8 +41,8 @@ from clora.serving.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-_GROUP_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
-"""`metadata.group_id`: the rollout group an interaction belongs to (an `Id` of ingest's schemas)."""
+_GROUP_ID = TypeAdapter(Id)
+"""`metadata.group_id`, the rollout group an interaction belongs to: an id as the events carry it."""
 
 UPSTREAM_BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 
@@ -106,9 +107,12 @@ class Gateway:
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.bad_request("metadata must be an object", "metadata")
         group = (metadata or {}).get("group_id")
-        if group is not None and not (isinstance(group, str) and _GROUP_ID.fullmatch(group)):
-            raise errors.bad_request("metadata.group_id must be 1-128 characters of A-Z a-z 0-9 _ . : @ -, "
-                                     f"got {group!r}", "metadata.group_id")
+        if group is not None:
+            try:
+                _GROUP_ID.validate_python(group, strict=True)
+            except ValidationError as e:
+                raise errors.bad_request(f"metadata.group_id: {e.errors()[0]['msg']}, got {group!r}",
+                                         "metadata.group_id") from e
 
     async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
         """The adapter `model` names for this caller (None: the base model)."""
