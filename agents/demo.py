@@ -224,7 +224,7 @@ class Demo:
         """Drive every tenant's traffic until `self.deadline` (which may move while it runs)."""
         traffic = [TenantTraffic(t.id, agents[t.id], t.env, FeedbackClient(urls["webhook"], keys[t.id]),
                                  group_size=2, prompts_per_step=2, concurrency=2, seed=i,
-                                 operator=OperatorSimulator(t.env, share=1.0, seed=i))
+                                 operator=OperatorSimulator(t.env, share=1.0, seed=i, follow=agents[t.id]))
                    for i, t in enumerate(TENANTS)]
 
         def drive(tt: TenantTraffic) -> None:

@@ -244,6 +244,14 @@ class Agent(_AgentConfig):
     def run(self, messages: list[dict[str, Any]], *, group_id: str | None = None) -> EpisodeTrace:
         return self.run_group(messages, 1, group_id=group_id)[0]
 
+    def respond(self, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+        """One model call on `messages`, its tool calls not run: (interaction id, assistant message)."""
+        ep = self._new(messages, None)
+        ep.max_turns = 1
+        self._call([ep], ep.messages, 1)
+        turn = ep.turns[0]
+        return turn.interaction_id, ep.messages[turn.message_index]
+
     def run_group(self, messages: list[dict[str, Any]], n: int, *, group_id: str | None = None) -> list[EpisodeTrace]:
         """`n` episodes from the same prompt sharing `group_id` (a fresh one when None and n > 1)."""
         group_id = group_id or (f"grp-{uuid.uuid4().hex}" if n > 1 else None)

@@ -87,13 +87,24 @@ class OperatorSimulator:
     course. The later turns of an episode that went wrong (retries after a wrong tool result)
     are not corrected: their prompts hold the agent's own mistakes, which the right path never
     shows. `every_turn=True` corrects every wrong turn. Decisions are seeded by (seed,
-    interaction id)."""
+    interaction id).
+
+    With `follow` (the tenant's agent), the operator then walks on along the corrected path,
+    as a reviewer who fixes a tool call and checks what the agent does with the right result:
+    it runs the correction's tool calls, asks the agent for the next turn through the gateway
+    (a new interaction, whose prompt is the right path so far) and corrects that turn too when
+    it is wrong, until the path ends (a final tool or a plain reply) or `max_follow` turns.
+    Without it, a skill's later turns (calc's final_answer after a right calculator result)
+    are only ever corrected once the served adapter gets the earlier turns right on its own."""
 
     def __init__(self, env: TaskEnv, share: float = 0.5, *, only_wrong: bool = True, every_turn: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, follow: Agent | None = None, max_follow: int = 2):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"operator share must be in [0, 1], got {share}")
+        if max_follow < 0:
+            raise ValueError(f"max_follow must be >= 0, got {max_follow}")
         self.env, self.share, self.only_wrong, self.every_turn, self.seed = env, share, only_wrong, every_turn, seed
+        self.follow, self.max_follow = follow, max_follow
 
     def review(self, rollout: Rollout) -> list[FeedbackIn]:
         trace = rollout.trace
@@ -103,14 +114,51 @@ class OperatorSimulator:
             return []
         out = []
         for turn in trace.turns:
-            fix = self.env.correction(rollout.problem, trace.prompt_of(turn))
+            prompt = trace.prompt_of(turn)
+            fix = self.env.correction(rollout.problem, prompt)
             if same_action(fix, trace.response_of(turn)):
                 continue
-            out.append(FeedbackIn(interaction_id=turn.interaction_id, event_id=f"op-{turn.interaction_id}",
-                                  source="operator", correction=Message.model_validate(fix), key="correction"))
+            out.append(_correction(turn.interaction_id, fix))
             if not self.every_turn:
-                break
+                return out + self._walk(rollout.problem, prompt, fix)
         return out
+
+    def _walk(self, problem: Problem, prompt: list[dict[str, Any]], fix: dict[str, Any]) -> list[FeedbackIn]:
+        """Corrections of the agent's turns along the right path from `prompt` + `fix` on."""
+        out: list[FeedbackIn] = []
+        for _ in range(self.max_follow if self.follow is not None else 0):
+            results = self._tool_results(fix)
+            if results is None:                       # the path ended: a final call or a plain reply
+                break
+            prompt = [*prompt, fix, *results]
+            try:
+                iid, response = self.follow.respond(prompt)
+            except AgentError as e:
+                log.warning("operator: could not follow a corrected path: %s", e)
+                break
+            fix = self.env.correction(problem, prompt)
+            if not same_action(fix, response):
+                out.append(_correction(iid, fix))
+        return out
+
+    def _tool_results(self, message: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The tool messages that answer `message`'s calls; None when nothing follows it."""
+        calls = message.get("tool_calls") or []
+        if not calls:
+            return None
+        results = []
+        for call in calls:
+            fn = call["function"]
+            if self.env.tools.get(fn["name"]).final:
+                return None
+            results.append({"role": "tool", "tool_call_id": call["id"],
+                            "content": self.env.tools.call(fn["name"], fn.get("arguments") or "")})
+        return results
+
+
+def _correction(interaction_id: str, fix: dict[str, Any]) -> FeedbackIn:
+    return FeedbackIn(interaction_id=interaction_id, event_id=f"op-{interaction_id}", source="operator",
+                      correction=Message.model_validate(fix), key="correction")
 
 
 class TenantTraffic:
@@ -145,12 +193,14 @@ class TenantTraffic:
         started = time.monotonic()
         step = self.steps_done
         problems = self.problems_for(step)
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(problems))) as pool:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             results = list(pool.map(self._group, problems))
-        rollouts = [r for res in results if not isinstance(res, str) for r in res]
+            rollouts = [r for res in results if not isinstance(res, str) for r in res]
+            # a following operator makes model calls of its own: review the rollouts concurrently
+            reviews = list(pool.map(self.operator.review, rollouts)) if self.operator else []
         errors = tuple(res for res in results if isinstance(res, str))
         rewards = [rec for r in rollouts for rec in reward_records(r, key=self.env.name)]
-        corrections = [rec for r in rollouts for rec in self.operator.review(r)] if self.operator else []
+        corrections = [rec for review in reviews for rec in review]
         if rewards or corrections:
             self.feedback.send_batch(rewards + corrections)
         self.steps_done += 1

@@ -80,6 +80,10 @@ class Learner:
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
         self._rejected: set[str] = set()
         self._dirty: set[str] = set()
+        self._gate_cache: dict[str, tuple[tuple, float]] = {}
+        """Per tenant: (version, policy's loss settings, held-out ids) -> that version's held-out
+        loss. The held-out set is the oldest examples, so it stops changing once full, and the
+        live version is usually the last candidate that passed: its loss is already known."""
         self.restore()
 
     # --- state ----------------------------------------------------------------------------
@@ -250,7 +254,7 @@ class Learner:
         live = self.publisher.live_weights(tenant)
         if held:
             cand = self.trainer.eval_loss(tenant, held, policy)
-            live_loss = self.trainer.eval_loss(tenant, held, policy, weights=live[1]) if live else None
+            live_loss = self._live_loss(tenant, live, held, policy) if live else None
             decision = gate(cand, live_loss, policy.eval_tolerance, self.s.eval_min_margin)
             scores = {"eval_loss": cand, "eval_examples": float(len(held))}
             if live_loss is not None:
@@ -269,12 +273,26 @@ class Learner:
                                          eval_scores=scores, parent_version=live[0] if live else None,
                                          feedback_window=tuple(window) if window else None)
         st.extras["last_published_version"] = version.version
+        if held:
+            self._gate_cache[tenant] = (_gate_key(version.version, held, policy), cand)
         st.extras.pop("feedback_window", None)            # the next version's window starts here
         self._history(tenant, {"step": st.step, "eval": scores.get("eval_loss"), "version": version.version})
         self.checkpoint(tenant)
         self.metrics.publishes.labels(tenant, "published").inc()
         log.info("published %s v%d (%s)", tenant, version.version, decision.reason)
         return version
+
+    def _live_loss(self, tenant: str, live: tuple[int, torch.Tensor], held: list, policy: TrainingPolicy) -> float:
+        """The live version's held-out loss: from the cache when the same version was measured on
+        the same examples with the same loss settings, else measured (and cached)."""
+        key = _gate_key(live[0], held, policy)
+        cached = self._gate_cache.get(tenant)
+        if cached is not None and cached[0] == key:
+            self.metrics.gate_cache_hits.labels(tenant).inc()
+            return cached[1]
+        loss = self.trainer.eval_loss(tenant, held, policy, weights=live[1])
+        self._gate_cache[tenant] = (key, loss)
+        return loss
 
     def _history(self, tenant: str, point: dict) -> None:
         """Append to the tenant's metrics history (the console plots it). Never fails a step."""
@@ -303,6 +321,10 @@ class Learner:
             self.checkpoint(tenant)
         self.store.close()
         log.info("learner stopped")
+
+
+def _gate_key(version: int, held: list, policy: TrainingPolicy) -> tuple:
+    return version, policy.algorithm, policy.dpo_beta, tuple(e.example_id for e in held)
 
 
 def _widen_window(extras: dict, times: list[float]) -> None:

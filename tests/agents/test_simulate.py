@@ -4,7 +4,7 @@ import pytest
 
 from clora.agents.envs import ArithmeticEnv, StructuredEnv, SupportEnv
 from clora.agents.feedback import FeedbackClient
-from clora.agents.runtime import Agent
+from clora.agents.runtime import Agent, AgentError
 from clora.agents.simulate import OperatorSimulator, TenantTraffic, evaluate, run_tenants, same_action
 
 from .fakes import oracle
@@ -106,6 +106,62 @@ def test_operator_corrects_the_first_wrong_turn_of_an_episode():
     [fix] = OperatorSimulator(env, share=1.0).review(stuck)
     assert fix.interaction_id == "i-1" and fix.correction.tool_calls[0].function.name == "final_answer"
     assert fix.correction.tool_calls[0].function.arguments == final["tool_calls"][0]["function"]["arguments"]
+
+
+def test_a_following_operator_corrects_the_later_turns_along_the_right_path(fake_openai, openai_client, feedback,
+                                                                           fake_webhook):
+    env = ArithmeticEnv()
+    agent = Agent(openai_client, "acme", env.tools)
+    traffic = TenantTraffic("acme", agent, env, feedback, group_size=2, prompts_per_step=2, seed=4,
+                            operator=OperatorSimulator(env, share=1.0, follow=agent))
+    problems = {p.key: p for p in traffic.problems_for(0)}
+    right = oracle(env, problems.values())
+    # wrong on the first turn; after a tool result, right on the first problem and wrong on the second
+    first, second = problems
+    fake_openai.policy = lambda body, i: ("The answer is 3." if body["messages"][-1]["role"] != "tool" else
+                                          right(body, i) if body["messages"][1]["content"] == first else "Done.")
+    report = traffic.step()
+
+    assert report.mean_reward == 0.0 and report.rewards_sent == 4
+    fixes = [r for r in fake_webhook.accepted if r.source == "operator"]
+    assert report.corrections_sent == len(fixes) == 4 + 2         # every first turn; the second problem's next turns
+    followed = {rid: body for rid, body in zip(fake_openai.response_ids, fake_openai.requests)
+                if body["messages"][-1]["role"] == "tool"}
+    assert len(followed) == 4 and all("metadata" not in (b.get("extra_body") or {}) for b in followed.values())
+    for body in followed.values():              # the right path: the reference call and its true result
+        p = problems[body["messages"][1]["content"]]
+        assert body["messages"][-1]["content"] == p.reference[1]["content"]
+        assert body["messages"][-2]["tool_calls"][0]["function"] == p.reference[0]["tool_calls"][0]["function"]
+    later = [f for f in fixes if f.interaction_id in followed]
+    assert {followed[f.interaction_id]["messages"][1]["content"] for f in later} == {second}
+    assert all(f.correction.tool_calls[0].function.name == "final_answer" for f in later)
+    assert all(f.correction.tool_calls[0].function.arguments ==
+               problems[second].reference[2]["tool_calls"][0]["function"]["arguments"] for f in later)
+
+
+def test_a_following_operator_stops_where_the_path_ends():
+    from clora.agents.runtime import EpisodeTrace, Turn
+    from clora.agents.simulate import Rollout
+
+    class Refuses:
+        calls = 0
+
+        def respond(self, messages):
+            self.calls += 1
+            raise AgentError("gateway down")
+
+    env, support = ArithmeticEnv(), SupportEnv()
+    p, s = env.problem(5, "easy"), support.problem(1, "easy")
+    wrong = {"role": "assistant", "content": "3"}
+    calc = Rollout(p, EpisodeTrace((*p.messages, wrong), (Turn("i-0", 2, (), "stop", 1, 1),), None, "reply"), 0.0)
+    agent = Refuses()
+    [fix] = OperatorSimulator(env, share=1.0, follow=agent).review(calc)   # a failed follow keeps the first fix
+    assert fix.interaction_id == "i-0" and agent.calls == 1
+    reply = Rollout(s, EpisodeTrace((*s.messages, wrong), (Turn("i-1", 2, (), "stop", 1, 1),), "3", "reply"), 0.0)
+    assert len(OperatorSimulator(support, share=1.0, follow=agent).review(reply)) == 1 and agent.calls == 1
+    assert len(OperatorSimulator(env, share=1.0, follow=agent, max_follow=0).review(calc)) == 1 and agent.calls == 1
+    with pytest.raises(ValueError, match="max_follow"):
+        OperatorSimulator(env, max_follow=-1)
 
 
 def test_same_action_ignores_ids_and_json_spacing():

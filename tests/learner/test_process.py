@@ -62,6 +62,32 @@ def test_loop_trains_publishes_and_checkpoints(world, tiny_model_dir):
     assert m.get_sample_value("clora_learner_publishes_total", {"tenant": "beta", "outcome": "published"}) >= 1
 
 
+def test_the_gate_reuses_the_live_versions_held_out_loss_until_it_changes(world, tiny_model_dir, monkeypatch):
+    _, reg, _ = world
+    reg.tenants["beta"].policy.paused = True
+    lr = _learner(world, tiny_model_dir, [])
+    measured = []
+    eval_loss = lr.trainer.eval_loss
+    monkeypatch.setattr(lr.trainer, "eval_loss", lambda tenant, held, policy, weights=None: (
+        measured.append("live" if weights is not None else "candidate"), eval_loss(tenant, held, policy, weights))[1])
+    while lr.tick() is not None:
+        pass
+    acme = reg.adapter_versions("acme")
+    assert len(acme) >= 2 and "live" not in measured     # every live version was the candidate measured before it
+    assert lr.metrics.registry.get_sample_value("clora_learner_gate_cache_hits_total", {"tenant": "acme"}) == \
+        len(acme) - 1
+    for parent, child in zip(acme, acme[1:]):
+        assert child.eval_scores["live_eval_loss"] == parent.eval_scores["eval_loss"]
+    held = lr.buffer.heldout("acme", "sft")
+    policy = lr.policy(reg.tenants["acme"])
+    # the reused number is what measuring the published adapter gives
+    assert eval_loss("acme", held, policy, lr.publisher.live_weights("acme")[1]) == \
+        pytest.approx(acme[-1].eval_scores["eval_loss"], abs=1e-5)
+    reg.set_live_version("acme", 1)                        # a rollback: the live version must be measured
+    lr.evaluate_and_publish("acme", policy)
+    assert measured[-2:] == ["candidate", "live"]
+
+
 @pytest.mark.parametrize("on_policy", [True, False])
 def test_rl_batches_are_on_policy_only_unless_configured(world, tiny_model_dir, on_policy):
     settings, reg, buf = world
