@@ -311,14 +311,17 @@ def training_examples(report: StepReport, algorithm: str, operator: OperatorSimu
     """How many of the step's examples land in the tenant's training buffer: one per feedback
     record of the algorithm's kind, minus those the buffers hold out (a hash of the example id,
     or for RL of the rollout's group id; ids as `clora.ingest.joiner` builds them from the
-    simulator's event ids)."""
+    simulator's event ids). RL: 0 when no kept group has a reward spread (the learner skips
+    such a batch)."""
     from clora.ingest.buffers import BufferPolicy, is_heldout
+    from clora.learner.losses import has_reward_spread
 
-    if algorithm == "rl":
-        ids = [r.trace.group_id or iid for r in report.rollouts for iid in r.trace.interaction_ids]
-    else:
-        ids = [f"{fb.event_id}:sft" for r in report.rollouts for fb in (operator.review(r) if operator else [])]
     fraction = BufferPolicy().holdout_fraction
+    if algorithm == "rl":
+        kept = [(r.trace.group_id or iid, r.reward) for r in report.rollouts for iid in r.trace.interaction_ids
+                if not is_heldout(r.trace.group_id or iid, fraction)]
+        return len(kept) if has_reward_spread([w for _, w in kept], [g for g, _ in kept]) else 0
+    ids = [f"{fb.event_id}:sft" for r in report.rollouts for fb in (operator.review(r) if operator else [])]
     return sum(not is_heldout(i, fraction) for i in ids)
 
 

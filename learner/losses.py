@@ -13,6 +13,8 @@ Conventions: `logprobs` (B, T) are log p(token t | tokens < t) for the target to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,16 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1
         r = rewards[idx].float()
         adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + eps)
     return adv
+
+
+def has_reward_spread(rewards: Sequence[float], group_ids: Sequence[str]) -> bool:
+    """Whether any group holds two different rewards, i.e. whether `group_advantages` gives
+    any sample a non-zero advantage. Example: [1, 1, 0], groups [a, a, b] -> False."""
+    seen: dict[str, float] = {}
+    for r, g in zip(rewards, group_ids):
+        if seen.setdefault(g, r) != r:
+            return True
+    return False
 
 
 def clipped_surrogate(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,

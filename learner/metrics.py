@@ -22,6 +22,8 @@ class LearnerMetrics:
         self.loss = Gauge("clora_learner_loss", "Training loss of the last step", ["tenant"], registry=r)
         self.swap_exposed = Counter("clora_learner_swap_exposed_seconds", "Swap time not hidden by prefetch", registry=r)
         self.publishes = Counter("clora_learner_publishes", "Evaluation gate outcomes", ["tenant", "outcome"], registry=r)
+        self.flat_batches = Counter("clora_learner_flat_batches", "RL batches consumed without a step: no group "
+                                    "had a reward spread", ["tenant"], registry=r)
         self.gate_cache_hits = Counter("clora_learner_gate_cache_hits", "Publish gates that reused the live "
                                        "version's held-out loss instead of measuring it again", ["tenant"], registry=r)
         self.eval_loss = Gauge("clora_learner_eval_loss", "Held-out loss of the last candidate", ["tenant"], registry=r)

@@ -36,6 +36,7 @@ from clora.learner.checkpoint import list_checkpoints, load_checkpoint, save_che
 from clora.learner.evaluate import GateDecision, gate
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.losses import has_reward_spread
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.peft_io import AdapterFormatError
 from clora.learner.publish import Publisher
@@ -181,6 +182,8 @@ class Learner:
         if not examples:
             self.scheduler.record(tid, 0.0)
             return None
+        if self._flat(tid, policy, batch, examples):
+            return None
         result = self.trainer.train_step(tid, examples, policy, prefetch=self.scheduler.peek_next(views, after=tid))
         self.metrics.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - getattr(self, "_exposed_seen", 0.0)))
         self._exposed_seen = self.store.stats.exposed_s
@@ -199,6 +202,8 @@ class Learner:
             batch, examples = self._sample(tid, policy)
             if not examples:
                 self.scheduler.record(tid, 0.0)
+                continue
+            if self._flat(tid, policy, batch, examples):
                 continue
             work.append(TenantWork(tid, examples, policy))
             sampled[tid] = batch
@@ -222,6 +227,20 @@ class Learner:
         batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor, seed=seed,
                                    fresh_fraction=1.0 if on_policy else self.s.fresh_fraction, fill=not on_policy)
         return batch, [e for e in batch.examples if e.kind == kind]
+
+    def _flat(self, tid: str, policy: TrainingPolicy, batch, examples: list) -> bool:
+        """An RL batch in which no group has a reward spread has advantage 0 everywhere: no
+        gradient, yet an optimizer step would still move the weights along Adam's old momentum.
+        Such a batch is consumed (the cursor moves past it) without a step; returns True then."""
+        if policy.algorithm != "rl" or has_reward_spread([e.reward for e in examples], [e.group_id for e in examples]):
+            return False
+        st = self.store.peek(tid)
+        st.cursor = max(st.cursor, batch.cursor)
+        self._dirty.add(tid)
+        self.scheduler.record(tid, 0.0)
+        self.metrics.flat_batches.labels(tid).inc()
+        log.info("skipped %s: no group among its %d samples has a reward spread", tid, len(examples))
+        return True
 
     def _after_step(self, tid: str, policy: TrainingPolicy, batch, examples: list, result) -> None:
         """Bookkeeping after a tenant's step: cursor, lineage window, metrics, history, publish/checkpoint."""

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from clora.learner.losses import (dpo_loss, group_advantages, policy_gradient_loss, sequence_logprob,
-                                  sft_loss, token_logprobs)
+from clora.learner.losses import (dpo_loss, group_advantages, has_reward_spread, policy_gradient_loss,
+                                  sequence_logprob, sft_loss, token_logprobs)
 
 
 def test_token_logprobs_shift_by_one():
@@ -43,6 +43,16 @@ def test_group_advantages_normalise_within_groups():
     # group a: mean .5, std .5 -> [1, -1]; b alone -> 0; c: mean 2, std sqrt(2) -> [0, 1.414, 0, -1.414]
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0, 0.0, math.sqrt(2), 0.0, -math.sqrt(2)]),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rewards, groups, spread", [
+    ([1.0, 0.0, 0.5], ["a", "a", "b"], True),
+    ([1.0, 1.0, 0.0], ["a", "a", "b"], False),         # b has one sample: nothing to compare against
+    ([], [], False),
+])
+def test_has_reward_spread_says_whether_any_advantage_is_non_zero(rewards, groups, spread):
+    assert has_reward_spread(rewards, groups) is spread
+    assert bool(group_advantages(torch.tensor(rewards), groups).abs().gt(0).any()) is spread
 
 
 def test_policy_gradient_loss_clips_ratio():

@@ -109,6 +109,25 @@ def test_rl_batches_are_on_policy_only_unless_configured(world, tiny_model_dir, 
     assert examples == ([8, 3] if on_policy else [8, 8])
 
 
+def test_an_rl_batch_without_a_reward_spread_is_consumed_without_a_step(world, tiny_model_dir):
+    settings, reg, buf = world
+    reg.tenants["rl"] = Tenant(id="rl", policy=LearningPolicy(algorithm="rl", learning_rate=1e-2, batch_size=8,
+                                                               min_new_examples=2))
+    reg.tenants["acme"].policy.paused = reg.tenants["beta"].policy.paused = True
+    for i in range(8):                             # two groups, each all right or all wrong: advantage 0
+        buf.add(rl("rl", i, f"q{i // 4}?", "a", float(i // 4), f"g{i // 4}"))
+    lr = _learner(world, tiny_model_dir, [])
+    assert lr.tick() is None
+    st = lr.store.state("rl")
+    weights = st.master.clone()
+    assert (st.step, st.cursor) == (0, 8) and lr.tick() is None        # consumed: not offered again
+    assert lr.metrics.registry.get_sample_value("clora_learner_flat_batches_total", {"tenant": "rl"}) == 1
+    for i in range(8, 12):                         # a group with a spread trains
+        buf.add(rl("rl", i, "q2?", "ab"[i % 2], float(i % 2), "g2"))
+    assert lr.tick() == "rl" and lr.store.state("rl").step == 1
+    assert not torch.equal(lr.store.state("rl").master, weights)
+
+
 def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(world, tiny_model_dir):
     settings, reg, buf = world
     events = []
