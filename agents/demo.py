@@ -162,11 +162,18 @@ class Demo:
             self._learn(urls, keys, agents, admin, learn_started)
             base.join()
             phases["learning_s"] = time.monotonic() - learn_started
-            self.console.print("learning phase over; evaluating every tenant's live adapter ...")
+            # learning stops here: the learner's core goes to the evaluation, and the score belongs
+            # to one version (the live one, pinned by name: a version the learner publishes after
+            # this would otherwise be hot-swapped in halfway through the evaluation)
+            for t in TENANTS:
+                httpx.post(f"{urls['console']}/api/tenants/{t.id}/pause", headers=admin).raise_for_status()
+            live = {t.id: self._live(urls["console"], admin, t.id) for t in TENANTS}
+            self.console.print("learning phase over; evaluating every tenant's live adapter "
+                               f"({', '.join(f'{k} ' + _version(v) for k, v in live.items())}) ...")
             eval_started = time.monotonic()
-            for tid, score in self._score_all(agents).items():
+            for tid, score in self._score_all(agents, pinned=live).items():
                 p = self.progress[tid]
-                p.score, p.score_version = score, self._live(urls["console"], admin, tid)
+                p.score, p.score_version = score, live[tid]
             phases["final_eval_s"] = time.monotonic() - eval_started
             phases["total_s"] = time.monotonic() - started
             result = self._report(phases)
@@ -202,13 +209,16 @@ class Demo:
         client = OpenAI(base_url=gateway + "/v1", api_key=key, max_retries=2, timeout=300)
         return Agent(client, t.id, tools=t.env.tools, max_turns=3, temperature=0.7, max_tokens=48)
 
-    def _score_all(self, agents: dict[str, Agent], base: bool = False) -> dict[str, float]:
-        """Held-out score of every tenant at once (their requests batch together in vLLM):
-        the live adapter, or the base model with `base`."""
+    def _score_all(self, agents: dict[str, Agent], base: bool = False,
+                   pinned: dict[str, int | None] | None = None) -> dict[str, float]:
+        """Held-out score of every tenant at once (their requests batch together in vLLM): the
+        base model with `base`; else the version `pinned` names (`calc@v7`), else the live one."""
         import dataclasses
 
         def one(t: DemoTenant) -> float:
-            probe = dataclasses.replace(agents[t.id], model="base") if base else agents[t.id]
+            version = (pinned or {}).get(t.id)
+            model = "base" if base else t.id if version is None else f"{t.id}@v{version}"
+            probe = dataclasses.replace(agents[t.id], model=model)
             return evaluate(probe, t.env, t.env.held_out()[: self.eval_size], concurrency=10)
 
         with ThreadPoolExecutor(max_workers=len(TENANTS)) as pool:
@@ -221,9 +231,11 @@ class Demo:
     # --- the learning phase -----------------------------------------------------------------
 
     def _learn(self, urls: dict, keys: dict, agents: dict, admin: dict, learn_started: float) -> None:
-        """Drive every tenant's traffic until `self.deadline` (which may move while it runs)."""
+        """Drive every tenant's traffic until `self.deadline` (which may move while it runs).
+        Every tenant learns from corrections (SFT), which needs no rollout groups: four different
+        problems a step, one rollout each, so no two corrections are the same example."""
         traffic = [TenantTraffic(t.id, agents[t.id], t.env, FeedbackClient(urls["webhook"], keys[t.id]),
-                                 group_size=2, prompts_per_step=2, concurrency=2, seed=i,
+                                 group_size=1, prompts_per_step=4, concurrency=4, seed=i,
                                  operator=OperatorSimulator(t.env, share=1.0, seed=i, follow=agents[t.id]))
                    for i, t in enumerate(TENANTS)]
 
@@ -258,8 +270,7 @@ class Demo:
                     for p in self.progress.values():
                         self.console.print(f"[{time.monotonic() - learn_started:4.0f} s] {p.tenant}: traffic step "
                                            f"{p.steps}, reward {_fmt(p.reward)}, corrections {p.corrections}, "
-                                           f"learner steps {p.learner_steps}, live "
-                                           f"{'base' if p.live_version is None else 'v' + str(p.live_version)}")
+                                           f"learner steps {p.learner_steps}, live {_version(p.live_version)}")
                 time.sleep(1.0)
         for th in threads:
             th.join()
@@ -280,7 +291,7 @@ class Demo:
             table.add_column(col)
         for p in self.progress.values():
             table.add_row(p.tenant, p.task, _fmt(p.base_score), str(p.steps), str(p.rollouts), _fmt(p.reward),
-                          str(p.corrections), str(p.learner_steps), "base" if p.live_version is None else f"v{p.live_version}",
+                          str(p.corrections), str(p.learner_steps), _version(p.live_version),
                           str(p.errors))
         return table
 
@@ -293,7 +304,7 @@ class Demo:
         rows = []
         for p in self.progress.values():
             table.add_row(p.tenant, p.task, _fmt(p.base_score), _fmt(p.score),
-                          "base" if p.score_version is None else f"v{p.score_version}", str(p.learner_steps),
+                          _version(p.score_version), str(p.learner_steps),
                           str(p.corrections), str(p.rollouts))
             rows.append({k: getattr(p, k) for k in ("tenant", "task", "base_score", "score", "score_version",
                                                     "learner_steps", "corrections", "rollouts", "errors")}
@@ -327,6 +338,10 @@ def _task(env: TaskEnv) -> str:
     from clora.agents.envs.base import DIFFICULTIES
 
     return env.name if env.difficulties == DIFFICULTIES else f"{env.name} ({'/'.join(env.difficulties)})"
+
+
+def _version(v: int | None) -> str:
+    return "base" if v is None else f"v{v}"
 
 
 def _fmt(x: float | None) -> str:
