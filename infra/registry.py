@@ -71,6 +71,11 @@ class LearningPolicy(BaseModel):
     """Per-kind replay-buffer capacity (None: the ingest default)."""
     eval_tolerance: float = Field(default=0.02, ge=0, le=1)
     """A new version is published unless its held-out score is worse than live by more."""
+    fresh_fraction: float | None = Field(default=None, ge=0, le=1)
+    """Share of each SFT/DPO batch taken from examples not trained on yet; the rest replays older
+    ones (None: the learner's `CLORA_LEARNER_FRESH_FRACTION`). 1.0 trains on every new example
+    before replaying any, which is what a tenant whose learner lags its traffic wants; replay
+    guards against forgetting when what the traffic asks for drifts."""
 
 
 class Tenant(BaseModel):

@@ -115,7 +115,8 @@ class Learner:
         p = tenant.policy
         return TrainingPolicy(algorithm=p.algorithm, learning_rate=p.learning_rate, batch_size=p.batch_size,
                               dpo_beta=self.s.dpo_beta, rl_clip_eps=self.s.rl_clip_eps,
-                              eval_tolerance=getattr(p, "eval_tolerance", 0.02))
+                              eval_tolerance=getattr(p, "eval_tolerance", 0.02),
+                              fresh_fraction=getattr(p, "fresh_fraction", None))
 
     def _views(self) -> tuple[list[TenantView], dict]:
         views, tenants = [], {}
@@ -224,8 +225,9 @@ class Learner:
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         st.save_generator(gen)
         on_policy = policy.algorithm == "rl" and self.s.rl_on_policy
+        fresh = 1.0 if on_policy else policy.fresh_fraction if policy.fresh_fraction is not None else self.s.fresh_fraction
         batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor, seed=seed,
-                                   fresh_fraction=1.0 if on_policy else self.s.fresh_fraction, fill=not on_policy)
+                                   fresh_fraction=fresh, fill=not on_policy)
         return batch, [e for e in batch.examples if e.kind == kind]
 
     def _flat(self, tid: str, policy: TrainingPolicy, batch, examples: list) -> bool:

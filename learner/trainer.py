@@ -44,6 +44,8 @@ class TrainingPolicy(BaseModel):
     """PPO/GRPO clip range of the importance ratio pi / pi_behaviour."""
     eval_tolerance: float = Field(default=0.02, ge=0, le=1)
     """Publish when new eval loss <= live eval loss * (1 + tolerance)."""
+    fresh_fraction: float | None = Field(default=None, ge=0, le=1)
+    """Share of a batch from not-yet-seen examples (None: the learner's setting)."""
 
 
 class TrainerConfig(BaseModel):

@@ -70,6 +70,10 @@ def test_policy_edits_are_validated(console, registry, tenant_id):
     assert r.status_code == 422 and r.json()["error"]["field"] == "batch_size"
     r = httpx.patch(url, headers=admin(console), json={"algorithm": "magic"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "algorithm"
+    r = httpx.patch(url, headers=admin(console), json={"fresh_fraction": 1.5})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "fresh_fraction"
+    r = httpx.patch(url, headers=admin(console), json={"fresh_fraction": 1.0})
+    assert r.status_code == 200 and registry.get_tenant(tenant_id).policy.fresh_fraction == 1.0
     assert registry.get_tenant(tenant_id).policy.algorithm == "dpo"
     assert httpx.post(f"{console.url}/api/tenants/{tenant_id}/pause", headers=admin(console)).json()["paused"]
     assert registry.get_tenant(tenant_id).policy.paused

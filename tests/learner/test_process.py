@@ -109,6 +109,18 @@ def test_rl_batches_are_on_policy_only_unless_configured(world, tiny_model_dir, 
     assert examples == ([8, 3] if on_policy else [8, 8])
 
 
+@pytest.mark.parametrize("fresh, expected", [(None, 0.5), (1.0, 1.0), (0.0, 0.0)])
+def test_a_tenants_fresh_fraction_overrides_the_learners(world, tiny_model_dir, fresh, expected):
+    settings, reg, buf = world
+    reg.tenants["acme"].policy.fresh_fraction = fresh
+    reg.tenants["beta"].policy.paused = True
+    asked = []
+    sample = buf.sample
+    buf.sample = lambda *a, **kw: (asked.append(kw["fresh_fraction"]), sample(*a, **kw))[1]
+    lr = _learner(world, tiny_model_dir, [])
+    assert lr.tick() == "acme" and asked == [expected]
+
+
 def test_an_rl_batch_without_a_reward_spread_is_consumed_without_a_step(world, tiny_model_dir):
     settings, reg, buf = world
     reg.tenants["rl"] = Tenant(id="rl", policy=LearningPolicy(algorithm="rl", learning_rate=1e-2, batch_size=8,
