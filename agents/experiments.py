@@ -307,12 +307,12 @@ def plot(report: dict, path: Path) -> Path | None:
 # --- one experiment against a running platform -------------------------------------------------
 
 
-def training_examples(report: StepReport, algorithm: str, operator: OperatorSimulator | None) -> int:
+def training_examples(report: StepReport, algorithm: str) -> int:
     """How many of the step's examples land in the tenant's training buffer: one per feedback
-    record of the algorithm's kind, minus those the buffers hold out (a hash of the example id,
-    or for RL of the rollout's group id; ids as `clora.ingest.joiner` builds them from the
-    simulator's event ids). RL: 0 when no kept group has a reward spread (the learner skips
-    such a batch)."""
+    record of the algorithm's kind (RL: every turn's reward; SFT: the corrections the step
+    sent), minus those the buffers hold out (a hash of the example id, or for RL of the
+    rollout's group id; ids as `clora.ingest.joiner` builds them from the simulator's event
+    ids). RL: 0 when no kept group has a reward spread (the learner skips such a batch)."""
     from clora.ingest.buffers import BufferPolicy, is_heldout
     from clora.learner.losses import has_reward_spread
 
@@ -321,8 +321,7 @@ def training_examples(report: StepReport, algorithm: str, operator: OperatorSimu
         kept = [(r.trace.group_id or iid, r.reward) for r in report.rollouts for iid in r.trace.interaction_ids
                 if not is_heldout(r.trace.group_id or iid, fraction)]
         return len(kept) if has_reward_spread([w for _, w in kept], [g for g, _ in kept]) else 0
-    ids = [f"{fb.event_id}:sft" for r in report.rollouts for fb in (operator.review(r) if operator else [])]
-    return sum(not is_heldout(i, fraction) for i in ids)
+    return sum(not is_heldout(f"{event_id}:sft", fraction) for event_id in report.correction_ids)
 
 
 @dataclass
@@ -392,7 +391,7 @@ class Experiment:
         import_s = self._wait_import() if self.c.init_adapter is not None and self.live is None else 0.0
         sampled = self.live
         report = traffic.step()
-        n = training_examples(report, self.c.algorithm, self.operator)
+        n = training_examples(report, self.c.algorithm)
         common = dict(step=report.step + 1, sampled_version=sampled, reward=report.mean_reward,
                       rollouts=len(report.rollouts), train_examples=n, rollout_s=report.seconds,
                       errors=len(report.errors), import_s=import_s)

@@ -44,7 +44,8 @@ class Rollout:
 @dataclass(frozen=True)
 class StepReport:
     """One traffic step of one tenant. Example: 2 prompts × group 4 → 8 rollouts; with 2
-    turns each, 16 reward records; `errors` lists episodes that failed (with why)."""
+    turns each, 16 reward records; `errors` lists episodes that failed (with why);
+    `correction_ids` are the event ids of the corrections sent (`op-<interaction id>`)."""
 
     tenant: str
     step: int
@@ -53,6 +54,7 @@ class StepReport:
     corrections_sent: int
     errors: tuple[str, ...]
     seconds: float
+    correction_ids: tuple[str, ...] = ()
 
     @property
     def mean_reward(self) -> float:
@@ -205,7 +207,7 @@ class TenantTraffic:
             self.feedback.send_batch(rewards + corrections)
         self.steps_done += 1
         return StepReport(self.tenant, step, tuple(rollouts), len(rewards), len(corrections), errors,
-                          time.monotonic() - started)
+                          time.monotonic() - started, tuple(c.event_id for c in corrections))
 
     def run(self, steps: int, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
         reports = []

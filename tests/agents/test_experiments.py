@@ -104,17 +104,19 @@ def test_training_examples_count_the_kind_minus_held_out():
             msgs = (*p.messages, {"role": "assistant", "content": "12"})
             rollouts.append(Rollout(p, EpisodeTrace(msgs, (Turn(f"int-{k}", len(p.messages), (), "stop", 10, 2),),
                                                     "12", "reply", f"grp{k // 4}"), reward(k)))
-        return StepReport("acme", 0, tuple(rollouts), 40, 40, (), 1.0)
+        operator = OperatorSimulator(env, share=1.0)
+        ids = tuple(fb.event_id for r in rollouts for fb in operator.review(r))
+        return StepReport("acme", 0, tuple(rollouts), 40, len(ids), (), 1.0, ids)
 
     held_rl = 4 * sum(is_heldout(f"grp{g}", 0.1) for g in range(10))     # RL: whole groups
     held_sft = sum(is_heldout(f"op-int-{k}:sft", 0.1) for k in range(40))
     assert held_rl > 0 and held_sft > 0               # the fixture exercises both hold-outs
-    assert training_examples(report(lambda k: float(k % 2)), "rl", None) == 40 - held_rl
+    assert training_examples(report(lambda k: float(k % 2)), "rl") == 40 - held_rl
     # no group with a reward spread: the learner skips the batch, nothing to wait for
-    assert training_examples(report(lambda k: 0.0), "rl", None) == 0
-    wrong = report(lambda k: 0.0)                     # wrong answers, all corrected
-    assert training_examples(wrong, "sft", OperatorSimulator(env, share=1.0)) == 40 - held_sft
-    assert training_examples(wrong, "sft", None) == 0
+    assert training_examples(report(lambda k: 0.0), "rl") == 0
+    assert training_examples(report(lambda k: 0.0), "sft") == 40 - held_sft      # wrong answers, all corrected
+    right = report(lambda k: 1.0)
+    assert right.correction_ids == () and training_examples(right, "sft") == 0
 
 
 def test_config_rejects_empty_counts():

@@ -125,6 +125,7 @@ def test_a_following_operator_corrects_the_later_turns_along_the_right_path(fake
     assert report.mean_reward == 0.0 and report.rewards_sent == 4
     fixes = [r for r in fake_webhook.accepted if r.source == "operator"]
     assert report.corrections_sent == len(fixes) == 4 + 2         # every first turn; the second problem's next turns
+    assert sorted(report.correction_ids) == sorted(f.event_id for f in fixes)
     followed = {rid: body for rid, body in zip(fake_openai.response_ids, fake_openai.requests)
                 if body["messages"][-1]["role"] == "tool"}
     assert len(followed) == 4 and all("metadata" not in (b.get("extra_body") or {}) for b in followed.values())
