@@ -14,8 +14,9 @@ tool-use task. One step:
    training examples (its feedback records minus the 10% the buffers hold out, computed
    from the example ids), so the learner takes exactly one step on exactly that data
    (`CLORA_LEARNER_FRESH_FRACTION=1`), evaluates and publishes; the tenant is paused again
-   once the version (or the gate's rejection) is seen. `eval_tolerance=1` keeps the gate
-   from blocking unless the candidate is twice as bad as live;
+   once the version (or the gate's rejection, or for RL the learner's skipping a batch in
+   which no group has a reward spread: outcome `no spread`) is seen. `eval_tolerance=1` keeps
+   the gate from blocking unless the candidate is twice as bad as live;
 3. sync   — until the gateway's `/v1/models` entry for the tenant has root `tenant@v<new>`.
 
 With `--init-adapter DIR` (a PEFT LoRA folder fitting the learner's rank, alpha and modules)
@@ -68,7 +69,7 @@ from clora.infra.registry import check_init_adapter
 
 REFERENCE = {"name": "SkyRL", "n": 8, "speedup": 2.81, "step_s": [191.0, 500.0], "step_growth": 2.62}
 TARGET = {"n": 8, "speedup_at_least": 4.0, "step_growth_at_most": 2.0}
-Outcome = Literal["published", "rejected", "no data", "train timeout", "sync timeout"]
+Outcome = Literal["published", "rejected", "no data", "no spread", "train timeout", "sync timeout"]
 
 
 class ExperimentError(RuntimeError):
@@ -312,15 +313,13 @@ def training_examples(report: StepReport, algorithm: str) -> int:
     record of the algorithm's kind (RL: every turn's reward; SFT: the corrections the step
     sent), minus those the buffers hold out (a hash of the example id, or for RL of the
     rollout's group id; ids as `clora.ingest.joiner` builds them from the simulator's event
-    ids). RL: 0 when no kept group has a reward spread (the learner skips such a batch)."""
+    ids)."""
     from clora.ingest.buffers import BufferPolicy, is_heldout
-    from clora.learner.losses import has_reward_spread
 
     fraction = BufferPolicy().holdout_fraction
     if algorithm == "rl":
-        kept = [(r.trace.group_id or iid, r.reward) for r in report.rollouts for iid in r.trace.interaction_ids
-                if not is_heldout(r.trace.group_id or iid, fraction)]
-        return len(kept) if has_reward_spread([w for _, w in kept], [g for g, _ in kept]) else 0
+        return sum(not is_heldout(r.trace.group_id or iid, fraction)
+                   for r in report.rollouts for iid in r.trace.interaction_ids)
     return sum(not is_heldout(f"{event_id}:sft", fraction) for event_id in report.correction_ids)
 
 
@@ -422,9 +421,11 @@ class Experiment:
         return time.monotonic() - started
 
     def _train(self, n: int) -> tuple[Outcome, int | None, float | None]:
-        """Let the learner take one step on the `n` new examples; wait for its version or the
-        gate's rejection. Returns (outcome, new version, the learner's step seconds)."""
-        rejected = self._rejected()
+        """Let the learner take one step on the `n` new examples; wait for its version, the
+        gate's rejection, or (RL) its skipping a batch in which no group has a reward spread.
+        Returns (outcome, new version, the learner's step seconds)."""
+        rejected, flat = self._learner_count("clora_learner_publishes", outcome="rejected"), \
+            self._learner_count("clora_learner_flat_batches")
         self._policy(paused=False, min_new_examples=n, batch_size=n)
         deadline = time.monotonic() + self.c.step_timeout_s
         trained: dict | None = None
@@ -440,8 +441,12 @@ class Experiment:
                 if version is not None:
                     outcome = "published"
                     break
-                if trained is not None and self._rejected() > rejected:
+                if trained is not None and self._learner_count("clora_learner_publishes",
+                                                               outcome="rejected") > rejected:
                     outcome = "rejected"
+                    break
+                if trained is None and self._learner_count("clora_learner_flat_batches") > flat:
+                    outcome = "no spread"
                     break
                 time.sleep(self.c.poll_s)
         finally:
@@ -450,15 +455,16 @@ class Experiment:
             self.learner_step = trained["step"]
         return outcome, version, trained.get("seconds") if trained else None
 
-    def _rejected(self) -> float:
-        """The learner's count of gate rejections for this tenant (Prometheus)."""
+    def _learner_count(self, family: str, **labels: str) -> float:
+        """A learner counter for this tenant (Prometheus), e.g. gate rejections or flat batches."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(self.stack.learner_metrics, timeout=30).text
         for fam in text_string_to_metric_families(text):
-            if fam.name == "clora_learner_publishes":
+            if fam.name == family:
                 return sum(s.value for s in fam.samples if s.name.endswith("_total")
-                           and s.labels.get("tenant") == self.tenant and s.labels.get("outcome") == "rejected")
+                           and s.labels.get("tenant") == self.tenant
+                           and all(s.labels.get(k) == v for k, v in labels.items()))
         return 0.0
 
     def _wait_served(self, version: int) -> bool:

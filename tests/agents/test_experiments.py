@@ -112,8 +112,8 @@ def test_training_examples_count_the_kind_minus_held_out():
     held_sft = sum(is_heldout(f"op-int-{k}:sft", 0.1) for k in range(40))
     assert held_rl > 0 and held_sft > 0               # the fixture exercises both hold-outs
     assert training_examples(report(lambda k: float(k % 2)), "rl") == 40 - held_rl
-    # no group with a reward spread: the learner skips the batch, nothing to wait for
-    assert training_examples(report(lambda k: 0.0), "rl") == 0
+    # no reward spread: the examples still land (the learner consumes them without a step)
+    assert training_examples(report(lambda k: 0.0), "rl") == 40 - held_rl
     assert training_examples(report(lambda k: 0.0), "sft") == 40 - held_sft      # wrong answers, all corrected
     right = report(lambda k: 1.0)
     assert right.correction_ids == () and training_examples(right, "sft") == 0
@@ -186,3 +186,23 @@ def test_an_import_never_served_stops_the_experiment(tmp_path):
     with pytest.raises(ExperimentError, match="fork: the imported adapter .* was not served as v1"):
         exp._step(traffic)
     assert traffic.live_at_rollout == []
+
+
+class _Console:
+    """The console's metrics history for one tenant: no learner step ever appears."""
+
+    def get(self, path: str, params=None):
+        return type("Response", (), {"json": lambda _self: {"points": []}})()
+
+
+def test_a_batch_the_learner_skips_for_no_reward_spread_ends_the_train_phase(tmp_path):
+    exp, _ = _experiment(tmp_path, served_from=1)
+    exp.http, changes, polls = _Console(), [], []
+    exp._policy = lambda **kw: changes.append(kw)
+    # the learner's flat-batch counter goes up on the third poll; no gate rejection ever
+    exp._learner_count = lambda family, **labels: (polls.append(family),
+                                                   float(family.endswith("flat_batches") and len(polls) > 4))[1]
+    assert exp._train(6) == ("no spread", None, None)
+    assert changes == [{"paused": False, "min_new_examples": 6, "batch_size": 6}, {"paused": True}]
+    exp._learner_count = lambda family, **labels: 0.0          # nothing happens: the phase times out
+    assert exp._train(6)[0] == "train timeout"
