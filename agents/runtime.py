@@ -245,7 +245,9 @@ class Agent(_AgentConfig):
         return self.run_group(messages, 1, group_id=group_id)[0]
 
     def respond(self, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-        """One model call on `messages`, its tool calls not run: (interaction id, assistant message)."""
+        """One model call on `messages`: (interaction id, assistant message). The call runs in a
+        throwaway one-turn episode (which executes its tool calls and is then discarded); the
+        caller decides what follows the message."""
         ep = self._new(messages, None)
         ep.max_turns = 1
         self._call([ep], ep.messages, 1)
