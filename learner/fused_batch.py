@@ -22,6 +22,7 @@ import torch
 
 from clora.kernels import SegmentedBackend, SegmentMeta, segmented_lora
 from clora.learner.batches import TokenBatch
+from clora.learner.lora import dropout_keep
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,6 @@ class FusedBinding:
         p, out = self.dropout, x.clone()
         for n, gen in enumerate(self.generators):
             part = x[self.rows.rows(n), : self.rows.widths[n]]  # (B_n, T_n, in)
-            keep = torch.rand(part.shape, generator=gen, device=x.device) >= p
+            keep = dropout_keep(part.shape, p, gen, x.device)
             out[self.rows.rows(n), : self.rows.widths[n]] = part * keep / (1 - p)
         return out

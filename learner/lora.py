@@ -138,6 +138,19 @@ class LoraLayout:
         return flat
 
 
+def dropout_keep(shape: torch.Size, p: float, generator: torch.Generator | None,
+                 device: torch.device) -> torch.Tensor:
+    """LoRA dropout's keep mask (bool, `shape`) on `device`, drawn from the tenant's generator.
+
+    Tenant generators live on the CPU (their state is swapped with the adapter), and torch
+    refuses a CPU generator for a CUDA draw, so on an accelerator the mask is drawn on the CPU
+    and copied over: the same mask as a CPU run, whatever device trains.
+    """
+    if generator is None or generator.device.type == torch.device(device).type:
+        return torch.rand(shape, generator=generator, device=device) >= p
+    return (torch.rand(shape, generator=generator) >= p).to(device, non_blocking=True)
+
+
 class LoraBank:
     """What every LoraLinear reads: the bound (A, B) parameters, and whether LoRA is enabled."""
 
@@ -175,8 +188,7 @@ class LoraLinear(nn.Module):
             return y
         a, b = bank.params[self.index]  # (r, in), (out, r)
         if bank.spec.dropout > 0 and self.training:
-            keep = torch.rand(x.shape, generator=bank.dropout_generator, device=x.device) >= bank.spec.dropout
-            x = x * keep / (1 - bank.spec.dropout)
+            x = x * dropout_keep(x.shape, bank.spec.dropout, bank.dropout_generator, x.device) / (1 - bank.spec.dropout)
         return y + F.linear(F.linear(x.to(a.dtype), a), b).to(y.dtype) * bank.spec.scaling
 
 

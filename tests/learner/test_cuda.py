@@ -1,0 +1,128 @@
+"""The learner on a CUDA device: what only a GPU run exercises.
+
+On CUDA the adapter store pins its host buffers and swaps through a side copy stream (with
+prefetch, the next tenant's copy overlaps the current step), LoRA dropout draws its masks from
+each tenant's CPU generator and copies them over, and the fused trainer runs the Triton
+segmented kernels. These tests hold that path to the CPU path's results:
+- a tenant trained on CUDA between other tenants' swaps is bit-identical to one trained alone
+  on CUDA (a missed stream wait or an unpinned, reused buffer shows up as a difference);
+- CUDA steps equal CPU steps (SFT, DPO and RL, with dropout) to 1e-3 of each state row's
+  largest magnitude: other kernels round differently (~1e-6 relative), a wrong or lost mask,
+  a stale swap or a missed gradient is off by O(1);
+- a fused step on CUDA with the Triton kernels equals solo CUDA steps, to the same bound.
+Skipped without CUDA; `benchmarks/gpu_checks.sh` runs them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clora.learner.adapter_store import GRAD, MASTER, AdapterStore
+from clora.learner.base_model import load_base_model
+from clora.learner.batches import ChatEncoder
+from clora.learner.fused import FusedTrainer, TenantWork
+from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.optim import AdamConfig
+from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
+
+from .helpers import pref, rl, sft, sft_set
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+REL_TOL = 1e-3
+DROPOUT = LoraSpec(rank=4, alpha=8, dropout=0.1)
+NO_DROPOUT = LoraSpec(rank=4, alpha=8)
+
+
+def _trainer(model_dir, device: str, spec: LoraSpec = DROPOUT, prefetch: bool = True) -> Trainer:
+    model, tok = load_base_model(model_dir, device=device)
+    lm = LoraModel(model, spec)
+    # Adam's eps above fp32 gradient noise, as in test_fused_equivalence (see its comment)
+    return Trainer(lm, ChatEncoder(tok, 64), AdapterStore(lm, device=device, prefetch=prefetch),
+                   TrainerConfig(micro_batch_size=2, adam=AdamConfig(eps=1e-4)))
+
+
+def _work() -> dict[str, tuple[list, TrainingPolicy]]:
+    sft_p = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
+    return {
+        "acme": ([sft("acme", i, f"q{i}?", "yes" + " really" * (3 * i % 5)) for i in range(4)], sft_p),
+        "beta": ([sft("beta", i, f"a much longer question {i}?", "no no no no") for i in range(3)],
+                 sft_p.model_copy(update={"learning_rate": 3e-2})),
+        "gamma": ([pref("gamma", i, f"pick {i}?", "good answer", "bad") for i in range(3)],
+                  TrainingPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=3)),
+        "delta": ([rl("delta", i, f"2+{i}?", f"{2 + i}" if i % 2 else "five", float(i % 2), f"g{i // 2}")
+                   for i in range(4)], TrainingPolicy(algorithm="rl", learning_rate=2e-2, batch_size=4)),
+    }
+
+
+def _assert_close_states(want: Trainer, got: Trainer, tenants) -> None:
+    for t in tenants:
+        a, b = want.store.state(t), got.store.state(t)
+        assert b.step == a.step and b.examples_seen == a.examples_seen, t
+        assert torch.equal(b.rng_state, a.rng_state), f"{t}: RNG state differs"
+        for row, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            scale = float(a.buffer[row].abs().max())
+            assert scale > 0, f"{t} {name} is all zeros: nothing was trained"
+            torch.testing.assert_close(b.buffer[row].cpu(), a.buffer[row].cpu(), rtol=0, atol=REL_TOL * scale,
+                                       msg=lambda m: f"{t} {name}: {m}")
+        assert b.buffer[GRAD].abs().sum() == 0
+
+
+def test_swaps_with_prefetch_on_cuda_are_bit_identical_to_training_alone(tiny_model_dir):
+    policy = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
+    alone = _trainer(tiny_model_dir, "cuda")
+    alone.store.register("acme", seed=11)
+    for _ in range(3):
+        alone.train_step("acme", sft_set("acme", "yes"), policy)
+
+    mixed = _trainer(tiny_model_dir, "cuda")
+    for t, seed in (("acme", 11), ("beta", 12), ("gamma", 13)):
+        mixed.store.register(t, seed=seed)
+    other = policy.model_copy(update={"learning_rate": 5e-2})
+    for _ in range(3):
+        mixed.train_step("acme", sft_set("acme", "yes"), policy, prefetch="beta")
+        mixed.train_step("beta", sft_set("beta", "no no"), other, prefetch="gamma")
+        mixed.train_step("gamma", sft_set("gamma", "maybe"), other, prefetch="acme")
+
+    want, got = alone.store.state("acme"), mixed.store.state("acme")
+    assert got.buffer.device.type == "cpu" and got.buffer.is_pinned(), "host state must be pinned on CUDA"
+    assert got.step == want.step == 3
+    assert torch.equal(got.rng_state, want.rng_state)
+    for row, name in enumerate(("master", "exp_avg", "exp_avg_sq", "grad")):
+        assert torch.equal(got.buffer[row], want.buffer[row]), f"{name} differs after interleaving on CUDA"
+    assert not torch.equal(mixed.store.state("beta").buffer[MASTER], got.buffer[MASTER])
+    assert mixed.store.stats.prefetch_hits >= 6
+
+
+def test_cuda_steps_equal_cpu_steps_for_every_algorithm_with_dropout(tiny_model_dir):
+    data = _work()
+    cpu, cuda = _trainer(tiny_model_dir, "cpu"), _trainer(tiny_model_dir, "cuda")
+    for i, t in enumerate(data):
+        cpu.store.register(t, seed=100 + i)
+        cuda.store.register(t, seed=100 + i)
+    for _ in range(3):
+        for t, (examples, policy) in data.items():
+            cpu.train_step(t, examples, policy)
+            cuda.train_step(t, examples, policy)
+    _assert_close_states(cpu, cuda, data)
+    acme = data["acme"]
+    assert cuda.eval_loss("acme", *acme) == pytest.approx(cpu.eval_loss("acme", *acme), rel=1e-3)
+
+
+@pytest.mark.parametrize("spec", [DROPOUT, NO_DROPOUT], ids=["dropout", "bucketed"])
+def test_fused_triton_step_on_cuda_equals_solo_cuda_steps(tiny_model_dir, spec):
+    data = _work()
+    serial, fused = _trainer(tiny_model_dir, "cuda", spec), _trainer(tiny_model_dir, "cuda", spec)
+    ft = FusedTrainer(fused, 2, backend="triton")
+    for i, t in enumerate(data):
+        serial.store.register(t, seed=100 + i)
+        fused.store.register(t, seed=100 + i)
+    for _ in range(2):
+        for group in (["acme", "beta"], ["gamma", "delta"], ["delta", "acme"]):
+            for t in group:
+                serial.train_step(t, *data[t])
+            res = ft.train_step([TenantWork(t, *data[t]) for t in group])
+            assert sorted(r.tenant for r in res.results) == sorted(group)
+    ft.flush()
+    _assert_close_states(serial, fused, data)
