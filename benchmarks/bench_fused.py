@@ -129,10 +129,10 @@ def run_serial(lm: LoraModel, tok, device, k: int, mb: int, data, policy, rounds
 
 
 def run_fused(lm: LoraModel, tok, device, k: int, mb: int, data, policy, rounds: int,
-              max_chunk_tokens: int | None = None) -> dict:
+              max_chunk_tokens: int | None = None, max_padding: float | None = None) -> dict:
     store = AdapterStore(lm, device=device, prefetch=True)
     tr = Trainer(lm, ChatEncoder(tok, 512), store, TrainerConfig(micro_batch_size=mb))
-    ft = FusedTrainer(tr, k, max_chunk_tokens=max_chunk_tokens)
+    ft = FusedTrainer(tr, k, max_chunk_tokens=max_chunk_tokens, max_padding=max_padding)
     names = list(data)[:k]
     for i, t in enumerate(names):
         store.register(t, seed=i)
@@ -152,7 +152,7 @@ def run_fused(lm: LoraModel, tok, device, k: int, mb: int, data, policy, rounds:
     ft.flush()
     store.close()
     return {"wall_s": wall, "cpu_s": cpu, **parts, "other_s": wall - sum(parts.values()), "backend": ft.backend.name,
-            "max_chunk_tokens": ft.max_chunk_tokens, "chunks_per_step": chunks / rounds,
+            "max_chunk_tokens": ft.max_chunk_tokens, "max_padding": ft.max_padding, "chunks_per_step": chunks / rounds,
             "padding": 1 - real / padded if padded else 0.0}
 
 
@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--spread", type=float, default=0.0, help="vary sequence lengths by this fraction (0..1)")
     ap.add_argument("--max-chunk-tokens", type=int, default=None,
                     help="padded tokens per fused forward (default: the FusedTrainer's, by device)")
+    ap.add_argument("--max-padding", type=float, default=None,
+                    help="padding bucketing may add, share of real tokens (default: the FusedTrainer's, by device)")
     ap.add_argument("--out", default="bench-results/fused.json")
     args = ap.parse_args()
     if args.quick:
@@ -194,7 +196,8 @@ def main() -> None:
             data = {f"t{i}": examples(f"t{i}", mb, args.words, args.spread) for i in range(k)}
             tokens = args.rounds * sum(int(enc.sft(list(ex)).attention_mask.sum()) for ex in data.values())
             serial = run_serial(lm, tok, device, k, mb, data, policy, args.rounds)
-            fused = run_fused(lm, tok, device, k, mb, data, policy, args.rounds, args.max_chunk_tokens)
+            fused = run_fused(lm, tok, device, k, mb, data, policy, args.rounds, args.max_chunk_tokens,
+                              args.max_padding)
             row = {"tenants": k, "micro_batch": mb, "tokens": tokens, "serial": serial, "fused": fused,
                    "serial_tokens_per_s": tokens / serial["wall_s"], "fused_tokens_per_s": tokens / fused["wall_s"]}
             row["ratio_fused_vs_serial"] = row["fused_tokens_per_s"] / row["serial_tokens_per_s"]

@@ -14,7 +14,8 @@
 #      without prefetch for 1, 2, 4, 8 tenants                               -> learner.json
 #   4. kernel time: Triton vs per-adapter loop vs gathered bmm on SmolLM2's shapes, with
 #      achieved memory bandwidth for decode-sized batches                    -> kernels.json
-# Each stage has its own time limit and a failing stage does not stop the next.
+# Each stage has its own time limit and a failing stage does not stop the next; STAGES picks
+# some (default: "tests fused learner kernels").
 # MODEL: the prepared SmolLM2 by default; any HF model directory with SmolLM2's config does
 # for timing (gpu_session.sh makes one with random weights, since 540 MB cannot travel).
 set -uo pipefail
@@ -22,6 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-results/gpu}
 PY=${PY:-.venv/bin/python}
 MODEL=${MODEL:-smollm2}
+STAGES=" ${STAGES:-tests fused learner kernels} "
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1
@@ -29,6 +31,7 @@ export PYTHONUNBUFFERED=1
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its output and status
     local name=$1 limit=$2
     shift 2
+    [[ $STAGES == *" $name "* ]] || return 0
     echo "=== $name ($(date +%T), limit ${limit}s)" | tee -a "$LOG"
     timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
     echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$LOG"

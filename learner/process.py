@@ -75,7 +75,8 @@ class Learner:
         self.trainer = Trainer(self.model, ChatEncoder(tokenizer, settings.max_seq_len), self.store,
                                TrainerConfig(micro_batch_size=settings.micro_batch_size, max_seq_len=settings.max_seq_len))
         self.fused = (FusedTrainer(self.trainer, settings.fused_max_tenants, settings.fused_backend,
-                                   max_chunk_tokens=settings.fused_max_chunk_tokens)
+                                   max_chunk_tokens=settings.fused_max_chunk_tokens,
+                                   max_padding=settings.fused_max_padding)
                       if settings.training_mode == "fused" else None)
         self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout)
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)

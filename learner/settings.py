@@ -43,6 +43,9 @@ class LearnerSettings(BaseSettings):
     fused_max_chunk_tokens: int | None = Field(default=None, ge=1)
     """Fused mode: padded tokens of one forward/backward chunk at most (None: 1,024 on CPU,
     16,384 on CUDA). Longer fused batches run as several length-bucketed chunks."""
+    fused_max_padding: float | None = Field(default=None, ge=0)
+    """Fused mode: the padding length bucketing may add, as a share of the real tokens (None:
+    0.1 on CPU, 1.0 on CUDA, where a step is bound by kernel launches rather than tokens)."""
     fused_backend: Literal["auto", "torch", "triton"] = "auto"
     """Segmented-kernel backend in fused mode: `auto` = Triton on CUDA, the torch reference on CPU."""
     max_seq_len: int = Field(default=512, ge=8)

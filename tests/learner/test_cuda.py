@@ -115,6 +115,7 @@ def test_fused_triton_step_on_cuda_equals_solo_cuda_steps(tiny_model_dir, spec):
     data = _work()
     serial, fused = _trainer(tiny_model_dir, "cuda", spec), _trainer(tiny_model_dir, "cuda", spec)
     ft = FusedTrainer(fused, 2, backend="triton")
+    assert (ft.max_chunk_tokens, ft.max_padding) == (16384, 1.0)  # launch-bound: few, wide chunks
     for i, t in enumerate(data):
         serial.store.register(t, seed=100 + i)
         fused.store.register(t, seed=100 + i)

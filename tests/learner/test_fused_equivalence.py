@@ -187,3 +187,12 @@ def test_fused_state_is_what_the_store_serves_after_flush(tiny_model_dir):
         assert got == pytest.approx(want, rel=1e-5)
     _assert_states_match(serial, fused, ["acme"])
     assert not torch.equal(fused.store.state("acme").buffer[MASTER], fused.store.register("fresh", seed=1).buffer[MASTER])
+
+
+def test_chunking_defaults_follow_the_device(tiny_model_dir):
+    """CPU: tight buckets (a padded token costs a real one's compute); the CUDA defaults are
+    checked in test_cuda.py. Explicit settings win."""
+    ft = FusedTrainer(_trainer(tiny_model_dir), 2, backend="torch")
+    assert (ft.max_chunk_tokens, ft.max_padding) == (1024, 0.1)
+    ft = FusedTrainer(_trainer(tiny_model_dir), 2, backend="torch", max_chunk_tokens=64, max_padding=0.5)
+    assert (ft.max_chunk_tokens, ft.max_padding) == (64, 0.5)
