@@ -68,7 +68,8 @@ def _openmp_runtimes() -> tuple[ctypes.CDLL, ...]:
     except OSError:
         return ()
     paths = {line.split()[-1] for line in maps if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
-    return tuple(ctypes.CDLL(p) for p in sorted(paths) if hasattr(ctypes.CDLL(p), "omp_set_num_threads"))
+    runtimes = (ctypes.CDLL(p) for p in sorted(paths))
+    return tuple(r for r in runtimes if hasattr(r, "omp_set_num_threads"))
 
 
 def serial_openmp_thread() -> None:

@@ -60,16 +60,16 @@ from clora.learner.optim import adam_step
 from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
 DEFAULT_MAX_CHUNK_TOKENS = {"cpu": 1024, "cuda": 16384}
-DEFAULT_MAX_PADDING = {"cpu": 0.1, "cuda": 1.0}
-"""Bucketing's padding bound by device. On CPU a padded token costs what a real one does, so
-buckets stay tight. On a GPU a small model's step is bound by kernel launches, not tokens:
-each extra chunk is a whole forward and backward of launches, and padding is nearly free
-(H200, SmolLM2, K = 8 x 8 sequences: 6 chunks at 0.1 ran slower than 8 serial steps)."""
 """Padded tokens per fused forward, by device type. On CPU the cost per token is flat from a
 few hundred tokens up and then grows: SmolLM2 on 2 cores ran 32 sequences of 142 tokens 12-15%
 faster (CPU time) as five ~1k-token chunks than as one 4.5k-token forward, whose (tokens, vocab)
 fp32 logits and their gradients (~0.9 GB each) leave the cache and are page-faulted in fresh
 every step. On a GPU bigger is better, up to memory."""
+DEFAULT_MAX_PADDING = {"cpu": 0.1, "cuda": 1.0}
+"""Bucketing's padding bound by device. On CPU a padded token costs what a real one does, so
+buckets stay tight. On a GPU a small model's step is bound by kernel launches, not tokens:
+each extra chunk is a whole forward and backward of launches, and padding is nearly free
+(H200, SmolLM2, K = 8 x 8 sequences: 6 chunks at 0.1 ran slower than 8 serial steps)."""
 
 
 @dataclass(frozen=True)

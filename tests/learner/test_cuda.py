@@ -9,24 +9,32 @@ segmented kernels. These tests hold that path to the CPU path's results:
 - CUDA steps equal CPU steps (SFT, DPO and RL, with dropout) to 1e-3 of each state row's
   largest magnitude: other kernels round differently (~1e-6 relative), a wrong or lost mask,
   a stale swap or a missed gradient is off by O(1);
-- a fused step on CUDA with the Triton kernels equals solo CUDA steps, to the same bound.
+- a fused step on CUDA with the Triton kernels equals solo CUDA steps, to the same bound;
+- the learner loop on CUDA (serial and fused) publishes the versions a CPU learner publishes.
 Skipped without CUDA; `benchmarks/gpu_checks.sh` runs them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from clora.infra.registry import LearningPolicy, Tenant
 from clora.learner.adapter_store import GRAD, MASTER, AdapterStore
 from clora.learner.base_model import load_base_model
 from clora.learner.batches import ChatEncoder
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.metrics import LearnerMetrics
 from clora.learner.optim import AdamConfig
+from clora.learner.process import Learner
+from clora.learner.settings import LearnerSettings
 from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
 
-from .helpers import pref, rl, sft, sft_set
+from .helpers import FakeBuffer, FakeRegistry, pref, rl, sft, sft_set
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -127,3 +135,46 @@ def test_fused_triton_step_on_cuda_equals_solo_cuda_steps(tiny_model_dir, spec):
             assert sorted(r.tenant for r in res.results) == sorted(group)
     ft.flush()
     _assert_close_states(serial, fused, data)
+
+
+@pytest.mark.parametrize("mode", ["serial", "fused"])
+def test_the_learner_loop_on_cuda_publishes_what_it_publishes_on_cpu(tiny_model_dir, tmp_path, mode):
+    """The whole loop (schedule, train, gate on held-out loss, publish PEFT folders, checkpoint)
+    with the model and the resident tenants on CUDA: every version both devices published holds
+    the same step count and the same weights, to the bound above."""
+    published, steps = {}, {}
+    for device in ("cpu", "cuda"):
+        reg, buf = FakeRegistry([
+            Tenant(id="acme", policy=LearningPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4,
+                                                    min_new_examples=4)),
+            Tenant(id="beta", policy=LearningPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=4,
+                                                    min_new_examples=4)),
+        ]), FakeBuffer()
+        for i in range(12):
+            buf.add(sft("acme", i, f"q{i}?", "blue"))
+            buf.add(pref("beta", i, f"q{i}?", "yes", "no"))
+        buf.add(sft("acme", 99, "q99?", "blue"), held_out=True)
+        buf.add(pref("beta", 99, "q99?", "yes", "no"), held_out=True)
+        settings = LearnerSettings(rank=4, alpha=8, adapters_dir=tmp_path / device / "adapters", max_seq_len=64,
+                                   checkpoints_dir=tmp_path / device / "ckpt", metrics_port=0, idle_sleep_s=0.01,
+                                   training_mode=mode, device=device)
+        model, tok = load_base_model(tiny_model_dir, device=device)
+        learner = Learner(settings, model, tok, registry=reg, buffer=buf, announce=[].append,
+                          base_model_name=str(tiny_model_dir), metrics=LearnerMetrics(), device=device)
+        assert learner.store.device.type == torch.device(device).type
+        while learner.tick() is not None:
+            pass
+        versions = {t: reg.adapter_versions(t) for t in ("acme", "beta")}
+        assert all(versions.values()), f"{device}: a tenant published nothing"
+        published[device] = {(t, v.version): load_file(Path(v.path) / "adapter_model.safetensors")
+                             for t, vs in versions.items() for v in vs}
+        steps[device] = {(t, v.version): v.step for t, vs in versions.items() for v in vs}
+    both = published["cpu"].keys() & published["cuda"].keys()
+    assert {t for t, _ in both} == {"acme", "beta"}
+    for key in sorted(both):
+        assert steps["cuda"][key] == steps["cpu"][key], key
+        want, got = published["cpu"][key], published["cuda"][key]
+        assert want.keys() == got.keys() and all(t.device.type == "cpu" for t in got.values())
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=0, atol=REL_TOL * float(w.abs().max()) + 1e-7,
+                                       msg=lambda m: f"{key} {name}: {m}")
