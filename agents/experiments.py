@@ -481,6 +481,24 @@ class Experiment:
 # --- platforms and the two modes ---------------------------------------------------------------------
 
 
+CORE_SPLIT = ("CLORA_LEARNER_NUM_THREADS", "CLORA_ENGINE_RESERVED_CPUS")
+
+
+def core_split(concurrent: bool, cores: int) -> dict[str, str]:
+    """The CPU settings of a mode's platform (what the environment sets wins).
+
+    Mode B gives the learner and the engine their own cores, half each, as the demo does: with
+    every tenant's rollouts and training at once both run all the time, and two OpenMP teams on
+    the same cores spin against each other. Measured on 2 cores: SmolLM2 steps of 3.5-4.4 s
+    with the learner's 2 threads beside one busy thread, 1.3-1.6 s with 1 thread
+    (`benchmarks/bench_learner.py --threads 1|2` next to `python -c "while 1: pass"`). Mode A
+    keeps the defaults: one experiment's rollouts and training take turns, each on every core.
+    """
+    if not concurrent or cores < 2:
+        return {}
+    return {"CLORA_LEARNER_NUM_THREADS": str(cores // 2), "CLORA_ENGINE_RESERVED_CPUS": str(cores // 2)}
+
+
 @dataclass
 class Bench:
     config: BenchConfig
@@ -488,6 +506,7 @@ class Bench:
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="clora-bench-experiments-")))
     _model_env: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _user_env: dict[str, str] = field(default_factory=lambda: {k: os.environ[k] for k in CORE_SPLIT if k in os.environ})
 
     def run(self) -> dict:
         c = self.config
@@ -560,9 +579,10 @@ class Bench:
         return {"CLORA_ENGINE_MODEL": out.stdout.strip().splitlines()[-1], "CLORA_LEARNER_BASE_MODEL": "smollm2",
                 "CLORA_LEARNER_MODELS_DIR": models}
 
-    def _platform_env(self, name: str) -> None:
-        """Point every CLORA_* setting of the next platform at fresh ports and a fresh data dir
-        (settings read the environment when built, so this runs before `Platform(...)`)."""
+    def _platform_env(self, name: str, concurrent: bool = False) -> None:
+        """Point every CLORA_* setting of the next platform at fresh ports and a fresh data dir,
+        with the mode's CPU split (`core_split`). Settings read the environment when built, so
+        this runs before `Platform(...)`."""
         from clora.infra.supervisor import free_port
 
         c, slots = self.config, max(self.config.ns)
@@ -577,14 +597,22 @@ class Bench:
             CLORA_LEARNER_TRAINING_MODE=c.training_mode, CLORA_LEARNER_FUSED_MAX_TENANTS=str(slots),
             CLORA_LEARNER_FRESH_FRACTION="1.0", CLORA_LEARNER_IDLE_SLEEP_S="0.2",
             CLORA_ENGINE_MAX_LORAS=str(slots), CLORA_ENGINE_MAX_CPU_LORAS=str(2 * slots))
+        split = core_split(concurrent, len(os.sched_getaffinity(0)))
+        for k in CORE_SPLIT:
+            if k in self._user_env:
+                os.environ[k] = self._user_env[k]
+            elif k in split:
+                os.environ[k] = split[k]
+            else:
+                os.environ.pop(k, None)
 
-    def _start(self, name: str):
+    def _start(self, name: str, concurrent: bool = False):
         """Start a fresh platform; returns (platform, Stack) once the gateway answers /health."""
         from clora.infra.platform import Platform
         from clora.infra.settings import PlatformSettings
         from clora.infra.supervisor import http_ok
 
-        self._platform_env(name)
+        self._platform_env(name, concurrent)
         platform = Platform(PlatformSettings()).start()
         urls = platform.urls()
         deadline = time.monotonic() + 600
@@ -631,7 +659,7 @@ class Bench:
         """Mode B: one warm platform; for each n, n fresh tenants at once. Returns (start-up +
         warm-up seconds, experiments per n)."""
         started = time.monotonic()
-        platform, stack = self._start("concurrent")
+        platform, stack = self._start("concurrent", concurrent=True)
         try:
             warm = replace(self.config, steps=1)
             Experiment(stack, "warmup", 10_000, warm, self._progress("B warm-up", 1)).run()

@@ -2,10 +2,11 @@
 
 import json
 import math
+import os
 
 import pytest
 
-from clora.agents.experiments import (BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
+from clora.agents.experiments import (CORE_SPLIT, Bench, BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
                                       build_report, compare, mean_std, reward_curve, sequential_prefix, summarize, table,
                                       training_examples)
 from clora.agents.envs import ArithmeticEnv
@@ -206,3 +207,22 @@ def test_a_batch_the_learner_skips_for_no_reward_spread_ends_the_train_phase(tmp
     assert changes == [{"paused": False, "min_new_examples": 6, "batch_size": 6}, {"paused": True}]
     exp._learner_count = lambda family, **labels: 0.0          # nothing happens: the phase times out
     assert exp._train(6)[0] == "train timeout"
+
+
+def test_mode_b_splits_the_cores_between_learner_and_engine_unless_the_environment_says(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # _platform_env rewrites CLORA_*: keep it in this test
+    for k in CORE_SPLIT:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    bench = Bench(BenchConfig(ns=(2,)), root=tmp_path)
+    bench._platform_env("concurrent", concurrent=True)
+    assert {k: os.environ[k] for k in CORE_SPLIT} == {"CLORA_LEARNER_NUM_THREADS": "2", "CLORA_ENGINE_RESERVED_CPUS": "2"}
+    bench._platform_env("seq-0")  # mode A: every phase on every core, the platform's defaults
+    assert not any(k in os.environ for k in CORE_SPLIT)
+
+    monkeypatch.setenv("CLORA_LEARNER_NUM_THREADS", "3")
+    bench = Bench(BenchConfig(ns=(2,)), root=tmp_path)
+    for concurrent in (True, False):
+        bench._platform_env("x", concurrent=concurrent)
+        assert os.environ["CLORA_LEARNER_NUM_THREADS"] == "3"
+    assert "CLORA_ENGINE_RESERVED_CPUS" not in os.environ
