@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from clora.ingest.schemas import Message, PreferencePair, RLSample, SFTExample
+from clora.learner.trainer import TrainingPolicy
 
 
 def _base(tenant: str, i: int) -> dict:
@@ -79,3 +80,22 @@ class FakeBuffer:
         rng = random.Random(seed)
         old = [rng.choice(items[:cursor]) for _ in range(n - len(fresh))] if cursor and fill else []
         return SimpleNamespace(examples=fresh + old, cursor=cursor + len(fresh), fresh=len(fresh))
+
+
+def mixed_work() -> dict[str, tuple[list, TrainingPolicy]]:
+    """Tenants with different algorithms, batch sizes, sequence lengths and learning rates."""
+    sft_p = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
+    return {
+        # answers of different lengths: the serial loss is a token mean per micro-batch, which
+        # neither a per-sequence mean nor one token mean over the tenant's whole batch equals
+        "acme": ([sft("acme", i, f"q{i}?", "yes" + " really" * (3 * i % 5)) for i in range(4)], sft_p),
+        "beta": ([sft("beta", i, f"a much longer question {i}?", "no no no no") for i in range(3)],
+                 sft_p.model_copy(update={"learning_rate": 3e-2})),
+        "gamma": ([pref("gamma", i, f"pick {i}?", "good answer", "bad") for i in range(3)],
+                  TrainingPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=3)),
+        "delta": ([rl("delta", i, f"2+{i}?", f"{2 + i}" if i % 2 else "five", float(i % 2), f"g{i // 2}")
+                   for i in range(4)], TrainingPolicy(algorithm="rl", learning_rate=2e-2, batch_size=4)),
+        "eps": ([rl("eps", i, "1+1?", "2", 1.0 - i, "g", prompt_token_ids=[1, 2, 3, 4], completion_token_ids=[5, 6, 7],
+                    behaviour_logprobs=[-1.0, -2.0, -0.5]) for i in range(2)],
+                TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=2)),
+    }

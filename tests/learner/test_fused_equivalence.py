@@ -26,9 +26,9 @@ from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.fused_slots import FusedCapacityError
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.optim import AdamConfig
-from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
+from clora.learner.trainer import Trainer, TrainerConfig
 
-from .helpers import pref, rl, sft
+from .helpers import mixed_work
 
 REL_TOL = 1e-4
 SPEC = LoraSpec(rank=4, alpha=8, dropout=0.1)
@@ -46,25 +46,6 @@ def _trainer(model_dir, spec=SPEC, micro_batch_size=2) -> Trainer:
                    TrainerConfig(micro_batch_size=micro_batch_size, adam=AdamConfig(eps=1e-4)))
 
 
-def _work() -> dict[str, tuple[list, TrainingPolicy]]:
-    """Tenants with different algorithms, batch sizes, sequence lengths and learning rates."""
-    sft_p = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
-    return {
-        # answers of different lengths: the serial loss is a token mean per micro-batch, which
-        # neither a per-sequence mean nor one token mean over the tenant's whole batch equals
-        "acme": ([sft("acme", i, f"q{i}?", "yes" + " really" * (3 * i % 5)) for i in range(4)], sft_p),
-        "beta": ([sft("beta", i, f"a much longer question {i}?", "no no no no") for i in range(3)],
-                 sft_p.model_copy(update={"learning_rate": 3e-2})),
-        "gamma": ([pref("gamma", i, f"pick {i}?", "good answer", "bad") for i in range(3)],
-                  TrainingPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=3)),
-        "delta": ([rl("delta", i, f"2+{i}?", f"{2 + i}" if i % 2 else "five", float(i % 2), f"g{i // 2}")
-                   for i in range(4)], TrainingPolicy(algorithm="rl", learning_rate=2e-2, batch_size=4)),
-        "eps": ([rl("eps", i, "1+1?", "2", 1.0 - i, "g", prompt_token_ids=[1, 2, 3, 4], completion_token_ids=[5, 6, 7],
-                    behaviour_logprobs=[-1.0, -2.0, -0.5]) for i in range(2)],
-                TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=2)),
-    }
-
-
 def _assert_states_match(serial: Trainer, fused: Trainer, tenants) -> None:
     for t in tenants:
         want, got = serial.store.state(t), fused.store.state(t)
@@ -80,7 +61,7 @@ def _assert_states_match(serial: Trainer, fused: Trainer, tenants) -> None:
 
 def _run(model_dir, tenants: list[str], groups: list[list[str]], steps: int, max_tenants: int, spec=SPEC,
          **fused_kw):
-    data = _work()
+    data = mixed_work()
     serial, fused = _trainer(model_dir, spec), _trainer(model_dir, spec)
     ft = FusedTrainer(fused, max_tenants, backend="torch", **fused_kw)
     for i, t in enumerate(tenants):
@@ -116,7 +97,7 @@ def test_bucketed_step_splits_into_chunks_and_still_equals_solo_steps(tiny_model
     (acme has 2 micro-batches of 2, beta 2 of 2 and 1): the per-sequence weights still give
     each tenant exactly its serial objective, and the padding stays within the bound."""
     tenants = ["acme", "beta", "delta"]
-    data = _work()
+    data = mixed_work()
     serial, fused = _trainer(tiny_model_dir, NO_DROPOUT), _trainer(tiny_model_dir, NO_DROPOUT)
     ft = FusedTrainer(fused, 3, backend="torch", max_chunk_tokens=40, max_padding=0.1)
     for i, t in enumerate(tenants):
@@ -138,7 +119,7 @@ def test_bucketing_equals_one_unbucketed_forward(tiny_model_dir):
     position (the layout before bucketing), and bucketed into small chunks with the LM head on
     target positions only: same losses, same states."""
     tenants = ["acme", "beta", "delta", "eps"]
-    data = _work()
+    data = mixed_work()
     outs = []
     for kw in (dict(max_chunk_tokens=10**6, max_padding=10.0), dict(max_chunk_tokens=32, max_padding=0.0)):
         tr = _trainer(tiny_model_dir, NO_DROPOUT)
@@ -167,13 +148,13 @@ def test_tenants_beyond_k_swap_through_the_store_and_stay_equal(tiny_model_dir):
     serial, fused, ft = _run(tiny_model_dir, tenants, groups, steps=2, max_tenants=2)
     _assert_states_match(serial, fused, tenants)
     with pytest.raises(FusedCapacityError, match="3 tenants asked for one fused step but only 2 fused slots"):
-        ft.train_step([TenantWork(t, *_work()[t]) for t in ["acme", "beta", "delta"]])
+        ft.train_step([TenantWork(t, *mixed_work()[t]) for t in ["acme", "beta", "delta"]])
 
 
 def test_fused_state_is_what_the_store_serves_after_flush(tiny_model_dir):
     """Serial and fused paths share one store: evaluating a fused-trained tenant through the
     serial path, then training it fused again, never resurrects a stale copy."""
-    data = _work()
+    data = mixed_work()
     serial, fused = _trainer(tiny_model_dir), _trainer(tiny_model_dir)
     ft = FusedTrainer(fused, 2, backend="torch")
     for tr in (serial, fused):
