@@ -1,9 +1,20 @@
-"""Example builders shared by learner tests."""
+"""Example builders, fakes and comparisons shared by learner tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
+from clora.infra.registry import LearningPolicy, Tenant
 from clora.ingest.schemas import Message, PreferencePair, RLSample, SFTExample
-from clora.learner.trainer import TrainingPolicy
+from clora.learner.adapter_store import GRAD, AdapterStore
+from clora.learner.base_model import load_base_model
+from clora.learner.batches import ChatEncoder
+from clora.learner.lora import LoraModel, LoraSpec
+from clora.learner.optim import AdamConfig
+from clora.learner.settings import LearnerSettings
+from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
 
 
 def _base(tenant: str, i: int) -> dict:
@@ -99,3 +110,55 @@ def mixed_work() -> dict[str, tuple[list, TrainingPolicy]]:
                     behaviour_logprobs=[-1.0, -2.0, -0.5]) for i in range(2)],
                 TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=2)),
     }
+
+
+def learner_world(root: Path) -> tuple[LearnerSettings, "FakeRegistry", "FakeBuffer"]:
+    """A learner's surroundings: tenants `acme` (SFT) and `beta` (DPO) with 12 examples and one
+    held-out example each, `idle` paused; adapters and checkpoints under `root`."""
+    reg = FakeRegistry([
+        Tenant(id="acme", policy=LearningPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4, min_new_examples=4)),
+        Tenant(id="beta", policy=LearningPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=4, min_new_examples=4)),
+        Tenant(id="idle", policy=LearningPolicy(paused=True)),
+    ])
+    buf = FakeBuffer()
+    for i in range(12):
+        buf.add(sft("acme", i, f"q{i}?", "blue"))
+        buf.add(pref("beta", i, f"q{i}?", "yes", "no"))
+    buf.add(sft("acme", 99, "q99?", "blue"), held_out=True)
+    buf.add(pref("beta", 99, "q99?", "yes", "no"), held_out=True)
+    settings = LearnerSettings(rank=4, alpha=8, adapters_dir=root / "adapters", max_seq_len=64,
+                               checkpoints_dir=root / "ckpt", metrics_port=0, idle_sleep_s=0.01)
+    return settings, reg, buf
+
+
+COMPARISON_ADAM = AdamConfig(eps=1e-4)
+"""Adam for tests that compare two runs: eps above the gradients' fp32 noise floor (~1e-8). With
+the default 1e-8 an element whose exact gradient cancels to ~0 moves by up to lr in a direction
+set by rounding noise (seen: 1.8e-8 solo vs 3.6e-8 fused -> 2e-3 apart after 3 steps; on an
+H200, 1 of 512 elements 6.7e-5 apart from CPU after one step at lr 1e-2). Real gradients here
+are 1e-3..1, far above 1e-4, so the update is still Adam's normalised step."""
+
+
+def comparison_trainer(model_dir, spec: LoraSpec, *, device: str = "cpu", prefetch: bool = False,
+                       micro_batch_size: int = 2) -> Trainer:
+    """A trainer on the tiny model with `COMPARISON_ADAM`, for runs compared with each other."""
+    model, tok = load_base_model(model_dir, device=device)
+    lm = LoraModel(model, spec)
+    return Trainer(lm, ChatEncoder(tok, 64), AdapterStore(lm, device=device, prefetch=prefetch),
+                   TrainerConfig(micro_batch_size=micro_batch_size, adam=COMPARISON_ADAM))
+
+
+def assert_states_close(want: Trainer, got: Trainer, tenants, rel_tol: float) -> None:
+    """Each tenant's state in `got` equals `want`'s: step, examples seen and RNG state exactly;
+    master weights and both Adam moments to `rel_tol` of each row's largest magnitude (which
+    must not be 0: nothing trained); grad rows zeroed in both."""
+    for t in tenants:
+        a, b = want.store.state(t), got.store.state(t)
+        assert b.step == a.step and b.examples_seen == a.examples_seen, t
+        assert torch.equal(b.rng_state, a.rng_state), f"{t}: RNG state differs"
+        for row, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            scale = float(a.buffer[row].abs().max())
+            assert scale > 0, f"{t} {name} is all zeros: nothing was trained"
+            torch.testing.assert_close(b.buffer[row].cpu(), a.buffer[row].cpu(), rtol=0, atol=rel_tol * scale,
+                                       msg=lambda m: f"{t} {name}: {m}")
+        assert b.buffer[GRAD].abs().sum() == 0 and a.buffer[GRAD].abs().sum() == 0

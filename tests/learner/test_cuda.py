@@ -22,19 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clora.infra.registry import LearningPolicy, Tenant
-from clora.learner.adapter_store import GRAD, MASTER, AdapterStore
-from clora.learner.base_model import load_base_model
-from clora.learner.batches import ChatEncoder
+from clora.learner.adapter_store import MASTER
 from clora.learner.fused import FusedTrainer, TenantWork
-from clora.learner.lora import LoraModel, LoraSpec
-from clora.learner.metrics import LearnerMetrics
-from clora.learner.optim import AdamConfig
-from clora.learner.process import Learner
-from clora.learner.settings import LearnerSettings
-from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
+from clora.learner.lora import LoraSpec
+from clora.learner.trainer import Trainer, TrainingPolicy
 
-from .helpers import FakeBuffer, FakeRegistry, mixed_work, pref, sft, sft_set
+from .helpers import COMPARISON_ADAM, assert_states_close, comparison_trainer, learner_world, mixed_work, sft_set
+from .test_process import _learner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,25 +37,8 @@ DROPOUT = LoraSpec(rank=4, alpha=8, dropout=0.1)
 NO_DROPOUT = LoraSpec(rank=4, alpha=8)
 
 
-def _trainer(model_dir, device: str, spec: LoraSpec = DROPOUT, prefetch: bool = True) -> Trainer:
-    model, tok = load_base_model(model_dir, device=device)
-    lm = LoraModel(model, spec)
-    # Adam's eps above fp32 gradient noise, as in test_fused_equivalence (see its comment)
-    return Trainer(lm, ChatEncoder(tok, 64), AdapterStore(lm, device=device, prefetch=prefetch),
-                   TrainerConfig(micro_batch_size=2, adam=AdamConfig(eps=1e-4)))
-
-
-def _assert_close_states(want: Trainer, got: Trainer, tenants) -> None:
-    for t in tenants:
-        a, b = want.store.state(t), got.store.state(t)
-        assert b.step == a.step and b.examples_seen == a.examples_seen, t
-        assert torch.equal(b.rng_state, a.rng_state), f"{t}: RNG state differs"
-        for row, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            scale = float(a.buffer[row].abs().max())
-            assert scale > 0, f"{t} {name} is all zeros: nothing was trained"
-            torch.testing.assert_close(b.buffer[row].cpu(), a.buffer[row].cpu(), rtol=0, atol=REL_TOL * scale,
-                                       msg=lambda m: f"{t} {name}: {m}")
-        assert b.buffer[GRAD].abs().sum() == 0
+def _trainer(model_dir, device: str, spec: LoraSpec = DROPOUT) -> Trainer:
+    return comparison_trainer(model_dir, spec, device=device, prefetch=True)
 
 
 def test_swaps_with_prefetch_on_cuda_are_bit_identical_to_training_alone(tiny_model_dir):
@@ -100,7 +77,7 @@ def test_cuda_steps_equal_cpu_steps_for_every_algorithm_with_dropout(tiny_model_
         for t, (examples, policy) in data.items():
             cpu.train_step(t, examples, policy)
             cuda.train_step(t, examples, policy)
-    _assert_close_states(cpu, cuda, data)
+    assert_states_close(cpu, cuda, data, REL_TOL)
     acme = data["acme"]
     assert cuda.eval_loss("acme", *acme) == pytest.approx(cpu.eval_loss("acme", *acme), rel=1e-3)
 
@@ -121,7 +98,7 @@ def test_fused_triton_step_on_cuda_equals_solo_cuda_steps(tiny_model_dir, spec):
             res = ft.train_step([TenantWork(t, *data[t]) for t in group])
             assert sorted(r.tenant for r in res.results) == sorted(group)
     ft.flush()
-    _assert_close_states(serial, fused, data)
+    assert_states_close(serial, fused, data, REL_TOL)
 
 
 @pytest.mark.parametrize("mode", ["serial", "fused"])
@@ -131,28 +108,11 @@ def test_the_learner_loop_on_cuda_publishes_what_it_publishes_on_cpu(tiny_model_
     the same step count and the same weights, to the bound above."""
     published, steps = {}, {}
     for device in ("cpu", "cuda"):
-        reg, buf = FakeRegistry([
-            Tenant(id="acme", policy=LearningPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4,
-                                                    min_new_examples=4)),
-            Tenant(id="beta", policy=LearningPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=4,
-                                                    min_new_examples=4)),
-        ]), FakeBuffer()
-        for i in range(12):
-            buf.add(sft("acme", i, f"q{i}?", "blue"))
-            buf.add(pref("beta", i, f"q{i}?", "yes", "no"))
-        buf.add(sft("acme", 99, "q99?", "blue"), held_out=True)
-        buf.add(pref("beta", 99, "q99?", "yes", "no"), held_out=True)
-        settings = LearnerSettings(rank=4, alpha=8, adapters_dir=tmp_path / device / "adapters", max_seq_len=64,
-                                   checkpoints_dir=tmp_path / device / "ckpt", metrics_port=0, idle_sleep_s=0.01,
-                                   training_mode=mode, device=device)
-        model, tok = load_base_model(tiny_model_dir, device=device)
-        learner = Learner(settings, model, tok, registry=reg, buffer=buf, announce=[].append,
-                          base_model_name=str(tiny_model_dir), metrics=LearnerMetrics(), device=device)
+        settings, reg, buf = learner_world(tmp_path / device)
+        settings = settings.model_copy(update={"training_mode": mode, "device": device})
+        learner = _learner((settings, reg, buf), tiny_model_dir, [], device=device)
         assert learner.store.device.type == torch.device(device).type
-        # Adam's eps above fp32 gradient noise, as in the tests above: with the learner's 1e-8 an
-        # element whose gradient cancels to ~0 moves by up to lr in a direction set by rounding
-        # (seen on the H200: 1 of 512 elements 6.7e-5 apart after one step at lr 1e-2)
-        cfg = learner.trainer.cfg.model_copy(update={"adam": AdamConfig(eps=1e-4)})
+        cfg = learner.trainer.cfg.model_copy(update={"adam": COMPARISON_ADAM})
         learner.trainer.cfg = cfg
         if learner.fused is not None:
             learner.fused.cfg = cfg

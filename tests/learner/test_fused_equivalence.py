@@ -19,16 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clora.learner.adapter_store import GRAD, MASTER, AdapterStore
-from clora.learner.base_model import load_base_model
-from clora.learner.batches import ChatEncoder
+from clora.learner.adapter_store import MASTER
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.fused_slots import FusedCapacityError
-from clora.learner.lora import LoraModel, LoraSpec
-from clora.learner.optim import AdamConfig
-from clora.learner.trainer import Trainer, TrainerConfig
+from clora.learner.lora import LoraSpec
+from clora.learner.trainer import Trainer
 
-from .helpers import mixed_work
+from .helpers import assert_states_close, comparison_trainer, mixed_work
 
 REL_TOL = 1e-4
 SPEC = LoraSpec(rank=4, alpha=8, dropout=0.1)
@@ -36,27 +33,11 @@ NO_DROPOUT = LoraSpec(rank=4, alpha=8)
 
 
 def _trainer(model_dir, spec=SPEC, micro_batch_size=2) -> Trainer:
-    model, tok = load_base_model(model_dir)
-    lm = LoraModel(model, spec)
-    # Adam's eps above the gradients' fp32 noise floor (~1e-8): with the default 1e-8 an element
-    # whose exact gradient cancels to ~0 moves by up to lr in a direction set by rounding noise
-    # (seen: 1.8e-8 solo vs 3.6e-8 fused -> 2e-3 apart after 3 steps). Real gradients here are
-    # 1e-3..1, far above 1e-4, so the update is still Adam's normalised step.
-    return Trainer(lm, ChatEncoder(tok, 64), AdapterStore(lm, prefetch=False),
-                   TrainerConfig(micro_batch_size=micro_batch_size, adam=AdamConfig(eps=1e-4)))
+    return comparison_trainer(model_dir, spec, micro_batch_size=micro_batch_size)
 
 
 def _assert_states_match(serial: Trainer, fused: Trainer, tenants) -> None:
-    for t in tenants:
-        want, got = serial.store.state(t), fused.store.state(t)
-        assert got.step == want.step and got.examples_seen == want.examples_seen, t
-        assert torch.equal(got.rng_state, want.rng_state), f"{t}: RNG state differs"
-        for row, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            scale = float(want.buffer[row].abs().max())
-            assert scale > 0, f"{t} {name} is all zeros: nothing was trained"
-            torch.testing.assert_close(got.buffer[row], want.buffer[row], rtol=0, atol=REL_TOL * scale,
-                                       msg=lambda m: f"{t} {name}: {m}")
-        assert got.buffer[GRAD].abs().sum() == 0 and want.buffer[GRAD].abs().sum() == 0
+    assert_states_close(serial, fused, tenants, REL_TOL)
 
 
 def _run(model_dir, tenants: list[str], groups: list[list[str]], steps: int, max_tenants: int, spec=SPEC,

@@ -12,34 +12,20 @@ from clora.learner.base_model import load_base_model
 from clora.learner.checkpoint import list_checkpoints
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.process import Learner
-from clora.learner.settings import LearnerSettings
 
-from .helpers import FakeBuffer, FakeRegistry, pref, rl, sft
+from .helpers import learner_world, rl
 
 
 @pytest.fixture()
 def world(tmp_path):
-    reg = FakeRegistry([
-        Tenant(id="acme", policy=LearningPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4, min_new_examples=4)),
-        Tenant(id="beta", policy=LearningPolicy(algorithm="dpo", learning_rate=1e-2, batch_size=4, min_new_examples=4)),
-        Tenant(id="idle", policy=LearningPolicy(paused=True)),
-    ])
-    buf = FakeBuffer()
-    for i in range(12):
-        buf.add(sft("acme", i, f"q{i}?", "blue"))
-        buf.add(pref("beta", i, f"q{i}?", "yes", "no"))
-    buf.add(sft("acme", 99, "q99?", "blue"), held_out=True)
-    buf.add(pref("beta", 99, "q99?", "yes", "no"), held_out=True)
-    settings = LearnerSettings(rank=4, alpha=8, adapters_dir=tmp_path / "adapters", max_seq_len=64,
-                               checkpoints_dir=tmp_path / "ckpt", metrics_port=0, idle_sleep_s=0.01)
-    return settings, reg, buf
+    return learner_world(tmp_path)
 
 
-def _learner(world, tiny_model_dir, events):
+def _learner(world, tiny_model_dir, events, device: str = "cpu"):
     settings, reg, buf = world
-    model, tok = load_base_model(tiny_model_dir)
+    model, tok = load_base_model(tiny_model_dir, device=device)
     return Learner(settings, model, tok, registry=reg, buffer=buf, announce=events.append,
-                   base_model_name=str(tiny_model_dir), metrics=LearnerMetrics())
+                   base_model_name=str(tiny_model_dir), metrics=LearnerMetrics(), device=device)
 
 
 def test_loop_trains_publishes_and_checkpoints(world, tiny_model_dir):
