@@ -12,10 +12,9 @@ Rendered, a tool-use conversation reads:
     <|im_start|>system
     You solve math word problems.
 
-    You can call these tools:
-    <tools>
-    {"name": "calculator", "description": "...", "parameters": {...}}
-    </tools>
+    Tools:
+    - calculator(expression: string): Evaluate an arithmetic expression, e.g. 17*3+2.
+    - final_answer(answer: number): Give the final answer.
     To call a tool, reply with:
     <tool_call>
     {"name": <tool-name>, "arguments": <args-json-object>}
@@ -31,6 +30,13 @@ Rendered, a tool-use conversation reads:
     51
     </tool_response><|im_end|>
     <|im_start|>assistant
+
+Each tool is one signature line: `name(param: type, optional?: type): description`. A parameter
+whose schema is more than a bare `type` (a description, an enum, nested items) is written as its
+JSON schema; a tool whose parameters are not a plain object of properties gets its whole schema
+on a `parameters:` line. So nothing of a schema is lost, and the common case costs a third of
+the tokens of one JSON object per tool (calc's system turn: 105 tokens, was 183 with JSON
+lines; every prompt, served or trained on, carries it).
 
 Without tools it renders exactly as SmolLM2's plain ChatML (no default system prompt).
 `parse_tool_calls` is equivalent to vLLM's `hermes` parser: every
@@ -51,14 +57,38 @@ TOOL_CHAT_TEMPLATE = """\
     {%- if messages and messages[0]['role'] == 'system' %}
         {{- messages[0]['content'] + '\\n\\n' }}
     {%- endif %}
-    {{- 'You can call these tools:\\n<tools>' }}
+    {{- 'Tools:' }}
     {%- for tool in tools %}
         {%- if tool.function is defined %}
             {%- set tool = tool.function %}
         {%- endif %}
-        {{- '\\n' + (tool | tojson) }}
+        {%- set params = tool.parameters or {} %}
+        {%- set flat = (params.type is not defined or params.type == 'object') and params | reject('in', ['type', 'properties', 'required',
+                                                                                  'additionalProperties']) | list | length == 0 %}
+        {{- '\\n- ' + tool.name }}
+        {%- if flat %}
+            {{- '(' }}
+            {%- for name, prop in (params.properties or {}).items() %}
+                {%- if not loop.first %}
+                    {{- ', ' }}
+                {%- endif %}
+                {{- name + ('' if name in (params.required or []) else '?') + ': ' }}
+                {%- if prop.type is string and prop | length == 1 %}
+                    {{- prop.type }}
+                {%- else %}
+                    {{- prop | tojson }}
+                {%- endif %}
+            {%- endfor %}
+            {{- ')' }}
+        {%- endif %}
+        {%- if tool.description %}
+            {{- ': ' + tool.description }}
+        {%- endif %}
+        {%- if not flat %}
+            {{- '\\n  parameters: ' + (params | tojson) }}
+        {%- endif %}
     {%- endfor %}
-    {{- '\\n</tools>\\nTo call a tool, reply with:\\n<tool_call>\\n' }}
+    {{- '\\nTo call a tool, reply with:\\n<tool_call>\\n' }}
     {{- '{"name": <tool-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages and messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}

@@ -68,6 +68,7 @@ def prepare_base_model(source: str | Path = DEFAULT_SOURCE, cache_dir: Path | st
         return path
     target = Path(cache_dir) / PREPARED_NAME
     if _is_model_dir(target):
+        refresh_chat_template(target)
         return target
     gguf = smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +86,30 @@ def prepare_base_model(source: str | Path = DEFAULT_SOURCE, cache_dir: Path | st
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
+
+
+def refresh_chat_template(model_dir: Path) -> bool:
+    """Rewrite a prepared model's chat template when it is not the current `TOOL_CHAT_TEMPLATE`
+    (a directory converted by an older clora); True when it did. The engine and the learner read
+    the template from the model directory, agents render with the module's: they must agree.
+    Replaced atomically, so a concurrent reader sees the old template or the new one."""
+    target = model_dir / "chat_template.jinja"
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    stale_file = target.exists() and target.read_text() != TOOL_CHAT_TEMPLATE
+    stale_config = "chat_template" in config and config["chat_template"] != TOOL_CHAT_TEMPLATE
+    if not stale_file and not stale_config:
+        return False
+    for path, text in ((target, TOOL_CHAT_TEMPLATE if stale_file else None),
+                       (config_path, json.dumps({**config, "chat_template": TOOL_CHAT_TEMPLATE}, indent=2)
+                        if stale_config else None)):
+        if text is None:
+            continue
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    log.info("updated the chat template of %s to the current tool-aware template", model_dir)
+    return True
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -30,8 +30,8 @@ def test_renders_tools_calls_and_results_exactly():
                 {"role": "tool", "tool_call_id": "c0", "content": "51"}]
     out = render(messages, [Calculator.schema()], add_generation_prompt=True)
     assert out == (
-        "<|im_start|>system\nSolve it.\n\nYou can call these tools:\n<tools>\n"
-        + json.dumps(Calculator.schema()["function"]) + "\n</tools>\n"
+        "<|im_start|>system\nSolve it.\n\nTools:\n"
+        "- calculator(expression: string): Evaluate an arithmetic expression, e.g. 17*3+2.\n"
         "To call a tool, reply with:\n<tool_call>\n{\"name\": <tool-name>, \"arguments\": <args-json-object>}\n"
         "</tool_call><|im_end|>\n"
         "<|im_start|>user\n17 times 3?<|im_end|>\n"
@@ -39,6 +39,24 @@ def test_renders_tools_calls_and_results_exactly():
         "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n51\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n")
+
+
+def test_tools_are_signature_lines_that_keep_every_part_of_their_schemas():
+    weather = {"type": "function", "function": {
+        "name": "weather", "description": "Weather now.",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city"], "properties": {
+            "city": {"type": "string", "description": "City name"}, "unit": {"type": "string", "enum": ["c", "f"]},
+            "days": {"type": "integer"}}}}}
+    odd = {"type": "function", "function": {"name": "odd", "description": "d",
+                                            "parameters": {"anyOf": [{"type": "object"}]}}}
+    ping = {"type": "function", "function": {"name": "ping"}}
+    out = render([{"role": "user", "content": "q"}], [weather, odd, ping])
+    assert out.startswith(
+        "<|im_start|>system\nTools:\n"
+        '- weather(city: {"type": "string", "description": "City name"}, '
+        'unit?: {"type": "string", "enum": ["c", "f"]}, days?: integer): Weather now.\n'
+        '- odd: d\n  parameters: {"anyOf": [{"type": "object"}]}\n'
+        "- ping()\nTo call a tool, reply with:\n")
 
 
 def test_without_tools_it_is_plain_chatml():

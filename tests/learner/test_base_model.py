@@ -44,3 +44,26 @@ def test_smollm2_converts_once_from_gguf(tmp_path):
     ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_a_prepared_model_with_an_older_chat_template_gets_the_current_one(tmp_path):
+    import shutil
+
+    from clora.infra.chat_template import TOOL_CHAT_TEMPLATE, render
+    from clora.learner.base_model import refresh_chat_template
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    assert not refresh_chat_template(model_dir)              # current already: nothing written
+    (model_dir / "chat_template.jinja").write_text("{{ 'old' }}")
+    assert refresh_chat_template(model_dir)
+    _, tok = load_base_model(model_dir)
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    messages = [{"role": "user", "content": "q"}]
+    assert tok.apply_chat_template(messages, tools=tools, tokenize=False) == render(messages, tools)
+    assert not [p for p in model_dir.iterdir() if p.name.startswith(".")]
+
+    prepared = tmp_path / "cache" / "smollm2-135m-instruct-tools"   # the SmolLM2 cache path, without converting
+    shutil.copytree(model_dir, prepared)
+    (prepared / "chat_template.jinja").write_text("{{ 'old' }}")
+    assert prepare_base_model("smollm2", tmp_path / "cache") == prepared
+    assert (prepared / "chat_template.jinja").read_text() == TOOL_CHAT_TEMPLATE

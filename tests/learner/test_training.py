@@ -135,4 +135,4 @@ def test_tool_calls_encode_as_the_serving_template_renders_them(tmp_path):
     assert tok.decode(seq.prompt_ids + seq.completion_ids) == text.rstrip("\n")
     completion = tok.decode(seq.completion_ids)
     assert completion == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*3"}}\n</tool_call><|im_end|>'
-    assert "<tools>" in tok.decode(seq.prompt_ids)
+    assert "- calculator(expression?: string): math" in tok.decode(seq.prompt_ids)
