@@ -8,7 +8,8 @@ A fused step:
    loaded from the adapter store, evicting the least recently used; the store's swap path
    still serves every tenant beyond K);
 2. for each algorithm present (SFT, DPO, RL): encodes every tenant's examples in the serial
-   step's micro-batches (`micro_batch_size`, exactly as `Trainer.train_step` splits them),
+   step's micro-batches (`batches.micro_batches`, exactly as `Trainer.train_step` splits them;
+   RL: an episode's turns packed into one row),
    then cuts all tenants' sequences into length buckets (`plan_chunks`): chunks of similar
    width, at most `max_chunk_tokens` padded tokens each, bucketing adding at most
    `max_padding` of padding. Each chunk is one forward (rows grouped by ascending slot, the
@@ -16,7 +17,7 @@ A fused step:
    The objective gives every sequence the weight it has in the serial step,
 
        SFT  row i of micro-batch m:   -sum_t logp_it * mask_it * (|m| / |E_n|) / N_m
-       RL   sequence i:               per_seq_i / |E_n|      (the clipped surrogate's row mean)
+       RL   row i:                    per_row_i / |E_n|      (its samples' token-mean surrogates, summed)
        DPO  pair i:                   -log sigmoid(beta * margin_i) / |E_n|
 
    (N_m = target tokens of micro-batch m, |E_n| = tenant n's examples), so the sum over
@@ -42,7 +43,6 @@ another order than the solo `F.linear` chain, and the loss sums in another order
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from clora.kernels import BackendName, SegmentedBackend, make_backend
-from clora.learner.batches import TokenBatch
+from clora.learner.batches import TokenBatch, micro_batches
 from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
 from clora.learner.losses import clipped_surrogate, group_advantages
@@ -112,6 +112,7 @@ class _Tenant:
     advantages: torch.Tensor | None
     index: int = 0  # position in the step's tenants (ascending slot)
     tokens: int = 0
+    rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,6 @@ class _Unit:
     round: int
     weight: float
     order: int
-    advantages: torch.Tensor | None = None  # RL: (rows,)
     on_policy: bool = False  # RL: behaviour = the current policy (its micro-batch had no logprobs)
     pairs: tuple[tuple[int, int, int, int], ...] = ()
 
@@ -241,7 +241,7 @@ class FusedTrainer:
             st.save_generator(t.generator)
             share = seconds * t.tokens / total_tokens if total_tokens else seconds / len(tenants)
             results.append(StepResult(t.work.tenant, st.step, losses[t.index], norm, len(t.work.examples), t.tokens,
-                                      share))
+                                      share, t.rows))
         return FusedStepResult(tuple(results), seconds, timing.forward, timing.backward, optimizer_s, swap_s,
                                total_tokens, timing.prepare, timing.chunks, timing.real_tokens, timing.padded_tokens)
 
@@ -252,8 +252,6 @@ class FusedTrainer:
         units = [u for t in tenants for u in self._units(algorithm, t, free)]
         plan = plan_chunks([u.rows * len(u.blocks) for u in units], [u.width for u in units], self.max_chunk_tokens,
                            self.max_padding, None if free else [u.round for u in units])
-        for t in tenants:  # a solo step counts one micro-step per micro-batch
-            self.store.peek(t.work.tenant).micro_steps += math.ceil(len(t.work.examples) / self.cfg.micro_batch_size)
         timing.prepare += time.perf_counter() - p0
         for chunk in plan:
             self._train_chunk(algorithm, sorted((units[i] for i in chunk), key=lambda u: (u.tenant.slot, u.order)),
@@ -263,14 +261,17 @@ class FusedTrainer:
         """Tenant t's examples encoded in its serial micro-batches (as `Trainer.train_step`
         encodes them), cut into bucketing units: sequences (or pairs) when `free`, else whole
         micro-batches. Adds the target tokens to `t.tokens`."""
-        mb, examples, units = self.cfg.micro_batch_size, t.work.examples, []
+        examples, units = list(t.work.examples), []
         pad = self.encoder.tok.pad_token_id
-        for m, start in enumerate(range(0, len(examples), mb)):
-            chunk = list(examples[start:start + mb])
+        split = micro_batches(self.encoder, examples, self.cfg.micro_batch_size)
+        self.store.peek(t.work.tenant).micro_steps += len(split)  # as a solo step counts them
+        for m, idx in enumerate(split):
+            chunk = [examples[i] for i in idx]
             share = len(chunk) / len(examples)  # the serial step's factor for this micro-batch's loss
             if algorithm == "dpo":
                 chosen, rejected = self.encoder.preference(chunk)
                 t.tokens += chosen.num_target_tokens + rejected.num_target_tokens
+                t.rows += 2 * len(chunk)
                 weight = share / len(chunk)  # dpo_loss: mean over pairs
                 if not free:  # chosen, then rejected: two forwards, as the solo step draws dropout
                     units.append(_Unit(t, (chosen, rejected), m, weight, len(units),
@@ -280,22 +281,23 @@ class FusedTrainer:
                     pair = stack_blocks([_row(chosen, i), _row(rejected, i)], pad)
                     units.append(_Unit(t, (pair,), m, weight, len(units), pairs=((0, 0, 0, 1),)))
                 continue
-            batch = self.encoder.sft(chunk) if algorithm == "sft" else self.encoder.rl(chunk)
+            batch = (self.encoder.sft(chunk) if algorithm == "sft"
+                     else self.encoder.rl(chunk, t.advantages[idx]))  # RL: turns packed
             n_tokens = batch.num_target_tokens
             t.tokens += n_tokens
+            t.rows += batch.input_ids.shape[0]
             if algorithm == "sft":
                 if n_tokens == 0:
                     raise ValueError(f"sft: tenant {t.work.tenant!r}'s micro-batch {m} has no assistant tokens")
-                weight, adv = share / n_tokens, None  # sft_loss: mean over the micro-batch's target tokens
+                weight = share / n_tokens  # sft_loss: mean over the micro-batch's target tokens
             else:
-                weight, adv = share / len(chunk), t.advantages[start:start + mb]  # surrogate: mean over sequences
+                weight = share / len(chunk)  # the surrogate: a mean over samples (a row sums its samples')
             on_policy = batch.behaviour_logprobs is None  # the solo step then uses the current policy
             if not free:
-                units.append(_Unit(t, (batch,), m, weight, len(units), adv, on_policy))
+                units.append(_Unit(t, (batch,), m, weight, len(units), on_policy))
                 continue
-            for i in range(len(chunk)):
-                units.append(_Unit(t, (_row(batch, i),), m, weight, len(units),
-                                   None if adv is None else adv[i:i + 1], on_policy))
+            for i in range(batch.input_ids.shape[0]):
+                units.append(_Unit(t, (_row(batch, i),), m, weight, len(units), on_policy))
         return units
 
     def _train_chunk(self, algorithm: str, units: list[_Unit], num_tenants: int, timing: _Timing) -> None:
@@ -381,8 +383,7 @@ class FusedTrainer:
             behaviour = lp.detach() if b.behaviour_logprobs is None else torch.where(on_policy, lp.detach(),
                                                                                      b.behaviour_logprobs)
             eps = row([u.tenant.work.policy.rl_clip_eps for u in units]).unsqueeze(-1)
-            adv = torch.cat([u.advantages for u in units]).to(dev)
-            part = clipped_surrogate(lp, behaviour, adv, mask, eps) * weight
+            part = clipped_surrogate(lp, behaviour, b.advantages, b.weights, eps) * weight
         return torch.zeros(num_tenants, device=dev).index_add(0, owner, part)
 
 
@@ -390,5 +391,6 @@ def _row(batch: TokenBatch, i: int) -> TokenBatch:
     """Row i of a right-padded batch cut to its own length (views)."""
     n = int(batch.attention_mask[i].sum())
     blp = batch.behaviour_logprobs
-    return TokenBatch(batch.input_ids[i:i + 1, :n], batch.attention_mask[i:i + 1, :n], batch.loss_mask[i:i + 1, :n - 1],
-                      None if blp is None else blp[i:i + 1, :n - 1])
+    cut = lambda t: None if t is None else t[i:i + 1, :n - 1]  # noqa: E731
+    return TokenBatch(batch.input_ids[i:i + 1, :n], batch.attention_mask[i:i + 1, :n], cut(batch.loss_mask),
+                      cut(blp), cut(batch.advantages), cut(batch.weights))

@@ -115,8 +115,8 @@ def plan_chunks(rows: Sequence[int], widths: Sequence[int], max_tokens: int, max
 
 def stack_blocks(blocks: Sequence[TokenBatch], pad_id: int) -> TokenBatch:
     """Blocks of rows stacked in order, right-padded to the widest: input_ids / attention_mask
-    (R, T), loss_mask (R, T-1), behaviour_logprobs (R, T-1; zeros for blocks without them) or
-    None when no block has them."""
+    (R, T), loss_mask (R, T-1), and behaviour_logprobs, advantages and weights (R, T-1; zeros
+    for blocks without them) or None when no block has them."""
     if not blocks:
         raise ValueError("stack_blocks got no blocks")
     width = max(b.input_ids.shape[1] for b in blocks)
@@ -124,18 +124,20 @@ def stack_blocks(blocks: Sequence[TokenBatch], pad_id: int) -> TokenBatch:
     ids = torch.full((total, width), pad_id, dtype=torch.long)
     att = torch.zeros((total, width), dtype=torch.long)
     mask = torch.zeros((total, width - 1), dtype=torch.float32)
-    blp = (torch.zeros((total, width - 1), dtype=torch.float32)
-           if any(b.behaviour_logprobs is not None for b in blocks) else None)
+    per_token = {name: (torch.zeros((total, width - 1), dtype=torch.float32)
+                        if any(getattr(b, name) is not None for b in blocks) else None)
+                 for name in ("behaviour_logprobs", "advantages", "weights")}
     row = 0
     for b in blocks:
         n, w = b.input_ids.shape
         ids[row:row + n, :w] = b.input_ids
         att[row:row + n, :w] = b.attention_mask
         mask[row:row + n, :w - 1] = b.loss_mask
-        if blp is not None and b.behaviour_logprobs is not None:
-            blp[row:row + n, :w - 1] = b.behaviour_logprobs
+        for name, out in per_token.items():
+            if out is not None and getattr(b, name) is not None:
+                out[row:row + n, :w - 1] = getattr(b, name)
         row += n
-    return TokenBatch(ids, att, mask, blp)
+    return TokenBatch(ids, att, mask, **per_token)
 
 
 def pack_blocks(tenants: Sequence[str], slots: Sequence[int], blocks: Sequence[TokenBatch],

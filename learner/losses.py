@@ -8,7 +8,8 @@ Conventions: `logprobs` (B, T) are log p(token t | tokens < t) for the target to
   reference is the base model with the adapter disabled.
 - `group_advantages` + `policy_gradient_loss`: GRPO-style. Rewards are normalised within
   each group of rollouts of one prompt; each token's ratio pi/pi_behaviour (behaviour =
-  the serving-time logprobs) is clipped PPO-style; per-sequence token mean, then batch mean.
+  the serving-time logprobs) is clipped PPO-style; per-sample token mean, then the mean over
+  samples (a row may hold several samples: an episode's turns, packed).
 """
 
 from __future__ import annotations
@@ -69,21 +70,34 @@ def has_reward_spread(rewards: Sequence[float], group_ids: Sequence[str]) -> boo
     return False
 
 
+def sample_weights(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) token weights for rows that hold one sample each: 1 / (the row's masked tokens)
+    where the mask is 1, else 0. Example: mask [[1, 1], [1, 0]] -> [[0.5, 0.5], [1, 0]]."""
+    return mask / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
 def clipped_surrogate(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      mask: torch.Tensor, clip_eps: float | torch.Tensor = 0.2) -> torch.Tensor:
-    """Clipped importance-sampled policy gradient (PPO/GRPO surrogate) per sequence -> (B,).
+                      weights: torch.Tensor, clip_eps: float | torch.Tensor = 0.2) -> torch.Tensor:
+    """Clipped importance-sampled policy gradient (PPO/GRPO surrogate) per row -> (B,).
 
     ratio = exp(logprobs - behaviour_logprobs)             (B, T)
     per_token = -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)
-    per sequence: the mean over its masked tokens. `clip_eps` is a float or (B, 1), one per row.
+    per row: the sum of per_token * weights. `advantages` is (B,), one per row, or (B, T), one
+    per token; `weights` gives each target token 1 / (its sample's target tokens), 0 elsewhere,
+    so a row's value is the sum of its samples' token-mean surrogates: with one sample per row
+    (`sample_weights(mask)`) the token mean, with an episode's turns packed into one row (see
+    `clora.learner.batches`) each turn's token mean, summed. `clip_eps` is a float or (B, 1).
     """
     ratio = torch.exp(logprobs - behaviour_logprobs)
-    a = advantages.unsqueeze(-1)  # (B, 1)
+    a = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     per_token = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
-    return (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return (per_token * weights).sum(-1)
 
 
 def policy_gradient_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                         mask: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
-    """`clipped_surrogate`, mean over sequences -> ()."""
-    return clipped_surrogate(logprobs, behaviour_logprobs, advantages, mask, clip_eps).mean()
+                         weights: torch.Tensor, samples: int, clip_eps: float = 0.2) -> torch.Tensor:
+    """`clipped_surrogate` summed over rows, divided by the number of samples they hold -> ():
+    the mean over samples of each one's token-mean surrogate."""
+    if samples < 1:
+        raise ValueError(f"policy_gradient_loss needs at least one sample, got {samples}")
+    return clipped_surrogate(logprobs, behaviour_logprobs, advantages, weights, clip_eps).sum() / samples

@@ -256,8 +256,9 @@ class Learner:
         m.steps.labels(tid, policy.algorithm).inc()
         m.tokens.labels(tid).inc(result.tokens)
         m.loss.labels(tid).set(result.loss)
-        log.info("trained %s step %d: loss %.4f, %d examples, %d tokens, %.2fs", tid, result.step, result.loss,
-                 result.examples, result.tokens, result.seconds)
+        packed = f" in {result.rows} rows" if result.rows is not None and result.rows < result.examples else ""
+        log.info("trained %s step %d: loss %.4f, %d examples%s, %d tokens, %.2fs", tid, result.step, result.loss,
+                 result.examples, packed, result.tokens, result.seconds)
         rewards = [e.reward for e in examples if e.kind == "rl"]
         self._history(tid, {"step": result.step, "loss": result.loss, "examples": result.examples,
                             "seconds": result.seconds, "reward": sum(rewards) / len(rewards) if rewards else None})

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import AdapterStore
-from clora.learner.batches import ChatEncoder, TokenBatch
+from clora.learner.batches import ChatEncoder, TokenBatch, micro_batches
 from clora.learner.losses import (dpo_loss, group_advantages, policy_gradient_loss, sequence_logprob,
                                   sft_loss, token_logprobs)
 from clora.learner.lora import LoraModel
@@ -66,6 +66,8 @@ class StepResult:
     examples: int
     tokens: int
     seconds: float
+    rows: int | None = None
+    """Sequences the forwards ran (RL: fewer than `examples` when an episode's turns packed)."""
 
 
 Example = SFTExample | PreferencePair | RLSample
@@ -120,12 +122,12 @@ class Trainer:
         return target_logprobs(self.model, self._head, batch)
 
     def _loss(self, examples: Sequence[Example], policy: TrainingPolicy,
-              advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        """The algorithm's loss on `examples` and the number of target tokens."""
+              advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+        """The algorithm's loss on `examples`, the number of target tokens and of rows run."""
         enc, dev = self.encoder, self.device
         if policy.algorithm == "sft":
             b = enc.sft(list(examples)).to(dev)
-            return sft_loss(self._logprobs(b), b.loss_mask), b.num_target_tokens
+            return sft_loss(self._logprobs(b), b.loss_mask), b.num_target_tokens, len(examples)
         if policy.algorithm == "dpo":
             chosen, rejected = (x.to(dev) for x in enc.preference(list(examples)))
             with torch.no_grad(), self.model.adapter_disabled():
@@ -133,12 +135,13 @@ class Trainer:
                 ref_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
             pol_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
             pol_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
-            return dpo_loss(pol_c, pol_r, ref_c, ref_r, policy.dpo_beta), chosen.num_target_tokens + rejected.num_target_tokens
-        b = enc.rl(list(examples)).to(dev)
+            return (dpo_loss(pol_c, pol_r, ref_c, ref_r, policy.dpo_beta),
+                    chosen.num_target_tokens + rejected.num_target_tokens, 2 * len(examples))
+        b = enc.rl(list(examples), advantages).to(dev)  # an episode's turns share a row
         lp = self._logprobs(b)
         behaviour = b.behaviour_logprobs if b.behaviour_logprobs is not None else lp.detach()
-        adv = advantages.to(dev)
-        return policy_gradient_loss(lp, behaviour, adv, b.loss_mask, policy.rl_clip_eps), b.num_target_tokens
+        return (policy_gradient_loss(lp, behaviour, b.advantages, b.weights, len(examples), policy.rl_clip_eps),
+                b.num_target_tokens, b.input_ids.shape[0])
 
     # --- training -----------------------------------------------------------------------------
 
@@ -159,17 +162,18 @@ class Trainer:
         if policy.algorithm == "rl":
             advantages = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
         self.model.train()
-        total, tokens, mb = 0.0, 0, self.cfg.micro_batch_size
+        total, tokens, rows, mb = 0.0, 0, 0, self.cfg.micro_batch_size
         try:
-            for i in range(0, len(examples), mb):
-                chunk = examples[i:i + mb]
-                adv = advantages[i:i + mb] if advantages is not None else None
-                loss, n = self._loss(chunk, policy, adv)
+            for idx in micro_batches(self.encoder, list(examples), mb):  # RL: an episode's turns together
+                chunk = [examples[i] for i in idx]
+                adv = advantages[idx] if advantages is not None else None
+                loss, n, r = self._loss(chunk, policy, adv)
                 (loss * (len(chunk) / len(examples))).backward()
                 slot.fold_grads()
                 st.micro_steps += 1
                 total += float(loss.detach()) * len(chunk) / len(examples)
                 tokens += n
+                rows += r
             st.step += 1
             norm = adam_step(slot, st.step, policy.learning_rate, self.cfg.adam)
             slot.sync_weights()
@@ -179,7 +183,7 @@ class Trainer:
         st.micro_steps = 0
         st.examples_seen += len(examples)
         st.save_generator(gen)
-        return StepResult(tenant, st.step, total, norm, len(examples), tokens, time.perf_counter() - t0)
+        return StepResult(tenant, st.step, total, norm, len(examples), tokens, time.perf_counter() - t0, rows)
 
     # --- evaluation ---------------------------------------------------------------------------
 
@@ -206,7 +210,7 @@ class Trainer:
         total, mb = 0.0, self.cfg.micro_batch_size
         for i in range(0, len(examples), mb):
             chunk = examples[i:i + mb]
-            loss, _ = self._loss(chunk, policy)
+            loss, _, _ = self._loss(chunk, policy)
             total += float(loss.detach()) * len(chunk)
         return total / len(examples)
 

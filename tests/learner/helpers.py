@@ -109,7 +109,25 @@ def mixed_work() -> dict[str, tuple[list, TrainingPolicy]]:
         "eps": ([rl("eps", i, "1+1?", "2", 1.0 - i, "g", prompt_token_ids=[1, 2, 3, 4], completion_token_ids=[5, 6, 7],
                     behaviour_logprobs=[-1.0, -2.0, -0.5]) for i in range(2)],
                 TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=2)),
+        # an agent's episodes: turn 1's prompt is turn 0's tokens + a tool result, so they pack
+        # into one row (out of order here; 3 rows, 2 a micro-batch, for 5 samples)
+        "zeta": (multi_turn_rl("zeta"), TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=5)),
     }
+
+
+def multi_turn_rl(tenant: str) -> list[RLSample]:
+    """Two two-turn episodes and a one-turn one in one group, with served tokens and logprobs."""
+    p0 = [40, 41, 42, 43]
+    turns = [  # (episode, prompt, completion, reward)
+        (0, p0 + [44, 45, 46, 47, 48], [49, 50], 1.0),
+        (1, p0, [51, 45, 52], 0.0),
+        (2, p0, [53, 54], 0.5),
+        (0, p0, [44, 45, 46], 1.0),
+        (1, p0 + [51, 45, 52, 47, 55], [56, 57, 58], 0.0),
+    ]
+    return [rl(tenant, i, "2+2?", "x", reward, "g", prompt_token_ids=prompt, completion_token_ids=completion,
+               behaviour_logprobs=[-0.4 - 0.1 * k for k in range(len(completion))])
+            for i, (_, prompt, completion, reward) in enumerate(turns)]
 
 
 def learner_world(root: Path) -> tuple[LearnerSettings, "FakeRegistry", "FakeBuffer"]:

@@ -59,7 +59,7 @@ def _run(model_dir, tenants: list[str], groups: list[list[str]], steps: int, max
 
 
 @pytest.mark.parametrize("spec", [SPEC, NO_DROPOUT], ids=["dropout", "bucketed"])
-@pytest.mark.parametrize("tenants", [["acme", "beta"], ["gamma"], ["delta", "eps"]], ids=["sft", "dpo", "rl"])
+@pytest.mark.parametrize("tenants", [["acme", "beta"], ["gamma"], ["delta", "eps", "zeta"]], ids=["sft", "dpo", "rl"])
 def test_fused_step_equals_solo_steps(tiny_model_dir, tenants, spec):
     serial, fused, _ = _run(tiny_model_dir, tenants, [tenants], steps=3, max_tenants=len(tenants) + 1, spec=spec)
     _assert_states_match(serial, fused, tenants)
@@ -67,8 +67,8 @@ def test_fused_step_equals_solo_steps(tiny_model_dir, tenants, spec):
 
 @pytest.mark.parametrize("spec", [SPEC, NO_DROPOUT], ids=["dropout", "bucketed"])
 def test_mixed_algorithms_in_one_fused_step_equal_solo_steps(tiny_model_dir, spec):
-    tenants = ["acme", "beta", "gamma", "delta", "eps"]
-    serial, fused, ft = _run(tiny_model_dir, tenants, [tenants], steps=2, max_tenants=5, spec=spec)
+    tenants = ["acme", "beta", "gamma", "delta", "eps", "zeta"]
+    serial, fused, ft = _run(tiny_model_dir, tenants, [tenants], steps=2, max_tenants=6, spec=spec)
     _assert_states_match(serial, fused, tenants)
     assert fused.store.stats.swaps == 0  # the fused path never went through the serial slots
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clora.learner.losses import (dpo_loss, group_advantages, has_reward_spread, policy_gradient_loss,
-                                  sequence_logprob, sft_loss, token_logprobs)
+                                  sample_weights, sequence_logprob, sft_loss, token_logprobs)
 
 
 def test_token_logprobs_shift_by_one():
@@ -62,8 +62,8 @@ def test_policy_gradient_loss_clips_ratio():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     # seq 0 (A=+1): token ratios 2 -> min(2, 1.2) = 1.2 ; 1 -> 1  => mean -(1.2 + 1)/2 = -1.1
     # seq 1 (A=-1): ratio .5 -> -min(-.5, -.8) = .8 (clip keeps the pessimistic bound); token 2 masked
-    assert policy_gradient_loss(lp, blp, adv, mask, clip_eps=0.2).item() == pytest.approx((-1.1 + 0.8) / 2, rel=1e-5)
+    assert policy_gradient_loss(lp, blp, adv, sample_weights(mask), 2, clip_eps=0.2).item() == pytest.approx((-1.1 + 0.8) / 2, rel=1e-5)
     # gradient flows only through unclipped tokens
     lp2 = lp.clone().requires_grad_(True)
-    policy_gradient_loss(lp2, blp, adv, mask, 0.2).backward()
+    policy_gradient_loss(lp2, blp, adv, sample_weights(mask), 2, 0.2).backward()
     assert lp2.grad[0, 0] == 0 and lp2.grad[0, 1] != 0 and lp2.grad[1, 0] == 0 and lp2.grad[1, 1] == 0
