@@ -39,11 +39,17 @@ def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return (logprobs * mask).sum(-1)
 
 
+def dpo_pair_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+                    ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """-log sigmoid(beta * ((pc_i - rc_i) - (pr_i - rr_i))) per pair; inputs (B,) sequence logprobs -> (B,)."""
+    margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    return -F.logsigmoid(beta * margin)
+
+
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
              ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
-    """mean_i -log sigmoid(beta * ((pc_i - rc_i) - (pr_i - rr_i))); inputs (B,) sequence logprobs."""
-    margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
-    return -F.logsigmoid(beta * margin).mean()
+    """The mean of `dpo_pair_losses` -> ()."""
+    return dpo_pair_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta).mean()
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e-6) -> torch.Tensor:

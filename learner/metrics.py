@@ -26,4 +26,7 @@ class LearnerMetrics:
                                     "had a reward spread", ["tenant"], registry=r)
         self.gate_cache_hits = Counter("clora_learner_gate_cache_hits", "Publish gates that reused the live "
                                        "version's held-out loss instead of measuring it again", ["tenant"], registry=r)
+        self.gate_live_examples = Counter("clora_learner_gate_live_examples", "Held-out examples a publish gate "
+                                          "measured under the live version (the others came from its cache)",
+                                          ["tenant"], registry=r)
         self.eval_loss = Gauge("clora_learner_eval_loss", "Held-out loss of the last candidate", ["tenant"], registry=r)

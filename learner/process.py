@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import threading
 from typing import Callable, Protocol
 
@@ -82,10 +83,11 @@ class Learner:
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
         self._rejected: set[str] = set()
         self._dirty: set[str] = set()
-        self._gate_cache: dict[str, tuple[tuple, float]] = {}
-        """Per tenant: (version, policy's loss settings, held-out ids) -> that version's held-out
-        loss. The held-out set is the oldest examples, so it stops changing once full, and the
-        live version is usually the last candidate that passed: its loss is already known."""
+        self._gate_cache: dict[str, tuple[tuple, dict[str, float]]] = {}
+        """Per tenant: (live version, policy's loss settings) and that version's loss on each
+        held-out example scored so far (by example id). The live version is usually the last
+        candidate that passed, measured then; when the held-out set grows (new traffic), only
+        the new examples are measured under the live version, not all of them again."""
         self.restore()
 
     # --- state ----------------------------------------------------------------------------
@@ -276,8 +278,10 @@ class Learner:
         scores: dict[str, float] = {}
         live = self.publisher.live_weights(tenant)
         if held:
-            cand = self.trainer.eval_loss(tenant, held, policy)
-            live_loss = self._live_loss(tenant, live, held, policy) if live else None
+            scored, how = self.trainer.eval_examples(held, policy)
+            cand_losses = dict(zip((e.example_id for e in scored), self.trainer.example_losses(tenant, scored, how)))
+            cand = statistics.fmean(cand_losses.values())
+            live_loss = self._live_loss(tenant, live, scored, how) if live else None
             decision = gate(cand, live_loss, policy.eval_tolerance, self.s.eval_min_margin)
             scores = {"eval_loss": cand, "eval_examples": float(len(held))}
             if live_loss is not None:
@@ -297,7 +301,7 @@ class Learner:
                                          feedback_window=tuple(window) if window else None)
         st.extras["last_published_version"] = version.version
         if held:
-            self._gate_cache[tenant] = (_gate_key(version.version, held, policy), cand)
+            self._gate_cache[tenant] = (_gate_key(version.version, how), cand_losses)
         st.extras.pop("feedback_window", None)            # the next version's window starts here
         self._history(tenant, {"step": st.step, "eval": scores.get("eval_loss"), "version": version.version})
         self.checkpoint(tenant)
@@ -305,17 +309,23 @@ class Learner:
         log.info("published %s v%d (%s)", tenant, version.version, decision.reason)
         return version
 
-    def _live_loss(self, tenant: str, live: tuple[int, torch.Tensor], held: list, policy: TrainingPolicy) -> float:
-        """The live version's held-out loss: from the cache when the same version was measured on
-        the same examples with the same loss settings, else measured (and cached)."""
-        key = _gate_key(live[0], held, policy)
-        cached = self._gate_cache.get(tenant)
-        if cached is not None and cached[0] == key:
+    def _live_loss(self, tenant: str, live: tuple[int, torch.Tensor], scored: list, how: TrainingPolicy) -> float:
+        """The live version's loss on the `scored` held-out examples (`Trainer.eval_examples`):
+        each example's from the cache when this version was measured on it with the same loss
+        settings, the others measured now (and cached). A gate that measures nothing counts a
+        cache hit; `clora_learner_gate_live_examples_total` counts the examples measured."""
+        key = _gate_key(live[0], how)
+        cached_key, losses = self._gate_cache.get(tenant, (None, {}))
+        losses = losses if cached_key == key else {}
+        missing = [e for e in scored if e.example_id not in losses]
+        if missing:
+            losses = {**losses, **dict(zip((e.example_id for e in missing),
+                                           self.trainer.example_losses(tenant, missing, how, weights=live[1])))}
+            self.metrics.gate_live_examples.labels(tenant).inc(len(missing))
+        else:
             self.metrics.gate_cache_hits.labels(tenant).inc()
-            return cached[1]
-        loss = self.trainer.eval_loss(tenant, held, policy, weights=live[1])
-        self._gate_cache[tenant] = (key, loss)
-        return loss
+        self._gate_cache[tenant] = (key, losses)
+        return statistics.fmean(losses[e.example_id] for e in scored)
 
     def _history(self, tenant: str, point: dict) -> None:
         """Append to the tenant's metrics history (the console plots it). Never fails a step."""
@@ -346,8 +356,9 @@ class Learner:
         log.info("learner stopped")
 
 
-def _gate_key(version: int, held: list, policy: TrainingPolicy) -> tuple:
-    return version, policy.algorithm, policy.dpo_beta, tuple(e.example_id for e in held)
+def _gate_key(version: int, how: TrainingPolicy) -> tuple:
+    """What a cached per-example loss depends on besides the example: the weights and the loss."""
+    return version, how.algorithm, how.dpo_beta
 
 
 def _widen_window(extras: dict, times: list[float]) -> None:

@@ -10,6 +10,7 @@ Nothing here depends on which tenant trained before: that is what makes swaps ex
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Iterator, Literal, Sequence
@@ -20,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder, TokenBatch, micro_batches
-from clora.learner.losses import (dpo_loss, group_advantages, policy_gradient_loss, sequence_logprob,
-                                  sft_loss, token_logprobs)
+from clora.learner.losses import (dpo_loss, dpo_pair_losses, group_advantages, policy_gradient_loss,
+                                  sequence_logprob, sft_loss, token_logprobs)
 from clora.learner.lora import LoraModel
 from clora.learner.optim import AdamConfig, adam_step
 
@@ -187,32 +188,55 @@ class Trainer:
 
     # --- evaluation ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def eval_loss(self, tenant: str, examples: Sequence[Example], policy: TrainingPolicy,
                   weights: torch.Tensor | None = None) -> float:
         """Held-out loss (lower is better) of `tenant`'s current adapter, or of `weights` (P,)
-        given instead (e.g. the live version's). SFT: token NLL; DPO: DPO loss against the
-        base model; RL: NLL of the completions that beat their group's mean reward (or of all
-        completions when no group has a spread)."""
+        given instead (e.g. the live version's): the mean of `example_losses` over what
+        `eval_examples` scores."""
         if not examples:
             raise ValueError(f"eval_loss for {tenant!r} got no held-out examples")
-        with self._weights(tenant, weights):
-            if policy.algorithm == "rl":
-                adv = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
-                good = [s for s, a in zip(examples, adv) if a > 0] or list(examples)
-                sft = [SFTExample(example_id=s.example_id, tenant=s.tenant, interaction_id=s.interaction_id,
-                                  feedback_event_id=s.feedback_event_id, time=s.time, messages=s.messages,
-                                  target=s.response) for s in good]
-                return self._batched_loss(sft, policy.model_copy(update={"algorithm": "sft"}))
-            return self._batched_loss(examples, policy)
+        scored, how = self.eval_examples(examples, policy)
+        return statistics.fmean(self.example_losses(tenant, scored, how, weights))
 
-    def _batched_loss(self, examples: Sequence[Example], policy: TrainingPolicy) -> float:
-        total, mb = 0.0, self.cfg.micro_batch_size
-        for i in range(0, len(examples), mb):
-            chunk = examples[i:i + mb]
-            loss, _, _ = self._loss(chunk, policy)
-            total += float(loss.detach()) * len(chunk)
-        return total / len(examples)
+    @staticmethod
+    def eval_examples(examples: Sequence[Example], policy: TrainingPolicy) -> tuple[list[Example], TrainingPolicy]:
+        """What a held-out loss scores, and with which loss: SFT and DPO examples as given; RL
+        the completions that beat their group's mean reward (all of them when no group has a
+        spread), as SFT examples (their NLL)."""
+        if policy.algorithm != "rl":
+            return list(examples), policy
+        adv = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
+        good = [s for s, a in zip(examples, adv) if a > 0] or list(examples)
+        return ([SFTExample(example_id=s.example_id, tenant=s.tenant, interaction_id=s.interaction_id,
+                            feedback_event_id=s.feedback_event_id, time=s.time, messages=s.messages, target=s.response)
+                 for s in good], policy.model_copy(update={"algorithm": "sft"}))
+
+    @torch.no_grad()
+    def example_losses(self, tenant: str, examples: Sequence[Example], policy: TrainingPolicy,
+                       weights: torch.Tensor | None = None) -> list[float]:
+        """Each example's loss under `tenant`'s adapter (or `weights`): SFT the mean NLL of its
+        target tokens, DPO its pair's DPO loss against the base model. One example's loss does
+        not depend on the others, so a gate can keep the live version's per example."""
+        if policy.algorithm not in ("sft", "dpo"):
+            raise ValueError(f"example_losses scores SFT and DPO examples, not {policy.algorithm!r}")
+        out: list[float] = []
+        enc, dev, mb = self.encoder, self.device, self.cfg.micro_batch_size
+        with self._weights(tenant, weights):
+            for i in range(0, len(examples), mb):
+                chunk = list(examples[i:i + mb])
+                if policy.algorithm == "sft":
+                    b = enc.sft(chunk).to(dev)
+                    per = -(self._logprobs(b) * b.loss_mask).sum(-1) / b.loss_mask.sum(-1).clamp(min=1)
+                else:
+                    chosen, rejected = (x.to(dev) for x in enc.preference(chunk))
+                    with self.model.adapter_disabled():
+                        ref_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
+                        ref_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
+                    per = dpo_pair_losses(sequence_logprob(self._logprobs(chosen), chosen.loss_mask),
+                                          sequence_logprob(self._logprobs(rejected), rejected.loss_mask),
+                                          ref_c, ref_r, policy.dpo_beta)
+                out += per.tolist()
+        return out
 
     @contextlib.contextmanager
     def _weights(self, tenant: str, weights: torch.Tensor | None) -> Iterator[None]:

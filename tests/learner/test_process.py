@@ -13,7 +13,7 @@ from clora.learner.checkpoint import list_checkpoints
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.process import Learner
 
-from .helpers import learner_world, rl
+from .helpers import learner_world, rl, sft
 
 
 @pytest.fixture()
@@ -53,9 +53,10 @@ def test_the_gate_reuses_the_live_versions_held_out_loss_until_it_changes(world,
     reg.tenants["beta"].policy.paused = True
     lr = _learner(world, tiny_model_dir, [])
     measured = []
-    eval_loss = lr.trainer.eval_loss
-    monkeypatch.setattr(lr.trainer, "eval_loss", lambda tenant, held, policy, weights=None: (
-        measured.append("live" if weights is not None else "candidate"), eval_loss(tenant, held, policy, weights))[1])
+    eval_loss, example_losses = lr.trainer.eval_loss, lr.trainer.example_losses
+    monkeypatch.setattr(lr.trainer, "example_losses", lambda tenant, held, policy, weights=None: (
+        measured.append("live" if weights is not None else "candidate"),
+        example_losses(tenant, held, policy, weights))[1])
     while lr.tick() is not None:
         pass
     acme = reg.adapter_versions("acme")
@@ -72,6 +73,36 @@ def test_the_gate_reuses_the_live_versions_held_out_loss_until_it_changes(world,
     reg.set_live_version("acme", 1)                        # a rollback: the live version must be measured
     lr.evaluate_and_publish("acme", policy)
     assert measured[-2:] == ["candidate", "live"]
+
+
+def test_a_growing_held_out_set_measures_only_its_new_examples_under_the_live_version(world, tiny_model_dir,
+                                                                                     monkeypatch):
+    _, reg, buf = world
+    reg.tenants["beta"].policy.paused = True
+    lr = _learner(world, tiny_model_dir, [])
+    while lr.tick() is not None:
+        pass
+    policy = lr.policy(reg.tenants["acme"])
+    live = lr.publisher.live_weights("acme")
+    measured = []
+    example_losses = lr.trainer.example_losses
+    monkeypatch.setattr(lr.trainer, "example_losses", lambda tenant, examples, how, weights=None: (
+        measured.append(sorted(e.example_id for e in examples)), example_losses(tenant, examples, how, weights))[1])
+    lr._gate_cache.clear()                                     # as after a restart: nothing known
+    scored, how = lr.trainer.eval_examples(buf.heldout("acme", "sft"), policy)
+    lr._live_loss("acme", live, scored, how)
+    assert measured == [sorted(e.example_id for e in scored)]  # everything, once
+    for i in (200, 201):                                       # new traffic: two more held-out examples
+        buf.add(sft("acme", i, f"q{i}?", "blue"), held_out=True)
+    held = buf.heldout("acme", "sft")
+    scored, how = lr.trainer.eval_examples(held, policy)
+    before = lr.metrics.registry.get_sample_value("clora_learner_gate_live_examples_total", {"tenant": "acme"})
+    got = lr._live_loss("acme", live, scored, how)
+    assert measured[-1] == ["acme-200", "acme-201"]            # the others came from the cache
+    assert lr.metrics.registry.get_sample_value("clora_learner_gate_live_examples_total",
+                                                {"tenant": "acme"}) == before + 2
+    # the combined number is what measuring the live version on the whole set gives
+    assert got == pytest.approx(lr.trainer.eval_loss("acme", held, policy, live[1]), abs=1e-6)
 
 
 @pytest.mark.parametrize("on_policy", [True, False])
