@@ -61,7 +61,7 @@ steps on new examples only (`benchmarks/make_calc_adapter.py`) 0.95 first-turn a
 
 CALC_POLICY = POLICY | {"batch_size": 4, "weight": 4.0, "eval_tolerance": 1.0}
 """The calculator task needs ~3x the steps (the tool-call format, then the right expression),
-on sequences ~4x longer (the tool schemas sit in the prompt): half-size batches, and four
+on sequences ~3x longer (the tool signatures sit in the prompt): half-size batches, and four
 times the other tenants' share of learner time. Its problems are the one-operation ("easy")
 kind: on 2 CPU cores ten minutes are not enough for two- and three-step ones.
 

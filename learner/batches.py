@@ -199,5 +199,5 @@ def pack_turns(seqs: list[Sequence], max_len: int) -> list[list[int]]:
             hosts[i], members[i] = [span], [i]
         else:
             hosts[home].append(span)
-            members[home].insert(0, i)
+            members[home].append(i)
     return [sorted(members[h], key=lambda i: len(full[i])) for h in sorted(hosts)]
