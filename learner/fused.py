@@ -49,13 +49,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from clora.kernels import BackendName, SegmentedBackend, make_backend
 from clora.learner.batches import TokenBatch, micro_batches
 from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
-from clora.learner.losses import clipped_surrogate, group_advantages
+from clora.learner.losses import clipped_surrogate, dpo_pair_losses, group_advantages
 from clora.learner.optim import adam_step
 from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
@@ -366,8 +365,8 @@ class FusedTrainer:
                 for k, blk in enumerate(u.blocks):
                     offset[k] += blk.input_ids.shape[0]
             c, r = torch.tensor(chosen, device=dev), torch.tensor(rejected, device=dev)
-            margin = (seq[c] - ref[c]) - (seq[r] - ref[r])
-            part = -F.logsigmoid(torch.tensor(beta, device=dev) * margin) * torch.tensor(weight, device=dev)
+            part = (dpo_pair_losses(seq[c], seq[r], ref[c], ref[r], torch.tensor(beta, device=dev))
+                    * torch.tensor(weight, device=dev))
             return torch.zeros(num_tenants, device=dev).index_add(0, torch.tensor(owner, device=dev), part)
         (lp,), (b,) = lps, batches
         counts = [u.blocks[0].input_ids.shape[0] for u in units]

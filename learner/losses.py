@@ -40,8 +40,9 @@ def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 def dpo_pair_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
-                    ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float) -> torch.Tensor:
-    """-log sigmoid(beta * ((pc_i - rc_i) - (pr_i - rr_i))) per pair; inputs (B,) sequence logprobs -> (B,)."""
+                    ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float | torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(beta * ((pc_i - rc_i) - (pr_i - rr_i))) per pair; inputs (B,) sequence logprobs,
+    `beta` a float or (B,) one per pair -> (B,)."""
     margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     return -F.logsigmoid(beta * margin)
 

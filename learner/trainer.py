@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder, TokenBatch, micro_batches
-from clora.learner.losses import (dpo_loss, dpo_pair_losses, group_advantages, policy_gradient_loss,
+from clora.learner.losses import (dpo_pair_losses, group_advantages, policy_gradient_loss, sample_weights,
                                   sequence_logprob, sft_loss, token_logprobs)
 from clora.learner.lora import LoraModel
 from clora.learner.optim import AdamConfig, adam_step
@@ -131,18 +131,21 @@ class Trainer:
             return sft_loss(self._logprobs(b), b.loss_mask), b.num_target_tokens, len(examples)
         if policy.algorithm == "dpo":
             chosen, rejected = (x.to(dev) for x in enc.preference(list(examples)))
-            with torch.no_grad(), self.model.adapter_disabled():
-                ref_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
-                ref_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
-            pol_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
-            pol_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
-            return (dpo_loss(pol_c, pol_r, ref_c, ref_r, policy.dpo_beta),
+            return (self._dpo_pair_losses(chosen, rejected, policy.dpo_beta).mean(),
                     chosen.num_target_tokens + rejected.num_target_tokens, 2 * len(examples))
         b = enc.rl(list(examples), advantages).to(dev)  # an episode's turns share a row
         lp = self._logprobs(b)
         behaviour = b.behaviour_logprobs if b.behaviour_logprobs is not None else lp.detach()
-        return (policy_gradient_loss(lp, behaviour, b.advantages, b.weights, len(examples), policy.rl_clip_eps),
+        return (policy_gradient_loss(lp, behaviour, b.advantages, b.weights, b.samples, policy.rl_clip_eps),
                 b.num_target_tokens, b.input_ids.shape[0])
+
+    def _dpo_pair_losses(self, chosen: TokenBatch, rejected: TokenBatch, beta: float) -> torch.Tensor:
+        """(B,) DPO loss of each pair, the reference being the base model (adapter disabled)."""
+        with torch.no_grad(), self.model.adapter_disabled():
+            ref_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
+            ref_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
+        return dpo_pair_losses(sequence_logprob(self._logprobs(chosen), chosen.loss_mask),
+                               sequence_logprob(self._logprobs(rejected), rejected.loss_mask), ref_c, ref_r, beta)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -226,15 +229,9 @@ class Trainer:
                 chunk = list(examples[i:i + mb])
                 if policy.algorithm == "sft":
                     b = enc.sft(chunk).to(dev)
-                    per = -(self._logprobs(b) * b.loss_mask).sum(-1) / b.loss_mask.sum(-1).clamp(min=1)
+                    per = -(self._logprobs(b) * sample_weights(b.loss_mask)).sum(-1)  # each row's token mean
                 else:
-                    chosen, rejected = (x.to(dev) for x in enc.preference(chunk))
-                    with self.model.adapter_disabled():
-                        ref_c = sequence_logprob(self._logprobs(chosen), chosen.loss_mask)
-                        ref_r = sequence_logprob(self._logprobs(rejected), rejected.loss_mask)
-                    per = dpo_pair_losses(sequence_logprob(self._logprobs(chosen), chosen.loss_mask),
-                                          sequence_logprob(self._logprobs(rejected), rejected.loss_mask),
-                                          ref_c, ref_r, policy.dpo_beta)
+                    per = self._dpo_pair_losses(*(x.to(dev) for x in enc.preference(chunk)), policy.dpo_beta)
                 out += per.tolist()
         return out
 
