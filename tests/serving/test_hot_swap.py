@@ -15,6 +15,9 @@ pytestmark = pytest.mark.integration
 PUBLISH_TO_SERVE_S = 2.0
 """Stated bound: registry poll (0.2 s) + loading the adapter into the replica."""
 
+LONG_STREAM_TOKENS = 480
+"""A stream that fills the test engine's 512-token context, so it outlasts a swap."""
+
 
 def _chat(client, model, **kw):
     return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "swap"}],
@@ -61,16 +64,24 @@ def test_hot_swap_under_load(serving, tenants, client_for, interactions):
             delays.append(swap.switched - published)
             assert _chat(ca, a).choices[0].message.content == _chat(ca, f"{a}@v{version}").choices[0].message.content
         # A request that starts on one version finishes on it, even though the alias moves on.
+        # The stream must still be generating on the server when the new version takes over, so it
+        # runs to the context limit (ignore_eos): a short one could finish server-side first and
+        # rightly be unpinned and unloaded before the check.
         old = tenants.registry.live_version(a)
-        expected_old = _chat(ca, f"{a}@v{old}", max_tokens=150).choices[0].message.content
+        long = {"max_tokens": LONG_STREAM_TOKENS, "extra_body": {"ignore_eos": True}}
+        expected_old = _chat(ca, f"{a}@v{old}", **long).choices[0].message.content
         stream = ca.chat.completions.create(model=a, messages=[{"role": "user", "content": "swap"}],
-                                            temperature=0, max_tokens=150, stream=True)
+                                            temperature=0, stream=True, **long)
         it = iter(stream)
         first = next(it)
+        t_first = time.monotonic()
         new = tenants.publish(a, 15)
         _wait_serving(ca, a, new)
+        t_swapped = time.monotonic()
         assert f"{a}@v{old}" in serving.gateway.engine.resident_names()[0]  # pinned by the stream: not unloaded
         rest = list(it)
+        print(f"stream: swapped {t_swapped - t_first:.2f} s after its first chunk, ended after "
+              f"{time.monotonic() - t_first:.2f} s")
         chunks = [first, *rest]
         assert {c.model for c in chunks} == {f"{a}@v{old}"}
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_old
