@@ -114,6 +114,8 @@ class Progress:
     reward: float | None = None
     errors: int = 0
     live_version: int | None = None
+    rollbacks: int = 0
+    """Versions the reward guard rolled back."""
     learner_steps: int = 0
     history: list = field(default_factory=list)
 
@@ -267,14 +269,17 @@ class Demo:
                     p = self.progress[t.id]
                     info = httpx.get(f"{urls['console']}/api/tenants/{t.id}/metrics?n=2000", headers=admin).json()
                     p.learner_steps = sum(1 for pt in info["points"] if pt.get("loss") is not None)
-                    p.live_version = self._live(urls["console"], admin, t.id)
+                    versions = httpx.get(f"{urls['console']}/api/tenants/{t.id}/versions", headers=admin).json()
+                    p.live_version = versions["live"]
+                    p.rollbacks = sum(1 for v in versions["versions"] if v.get("rolled_back"))
                 live.update(self._table(learn_started))
                 if not self.console.is_terminal and time.monotonic() - last_line > 30:
                     last_line = time.monotonic()
                     for p in self.progress.values():
                         self.console.print(f"[{time.monotonic() - learn_started:4.0f} s] {p.tenant}: traffic step "
                                            f"{p.steps}, reward {_fmt(p.reward)}, corrections {p.corrections}, "
-                                           f"learner steps {p.learner_steps}, live {_version(p.live_version)}")
+                                           f"learner steps {p.learner_steps}, live {_version(p.live_version)}"
+                                           + (f", {p.rollbacks} rolled back" if p.rollbacks else ""))
                 time.sleep(1.0)
         for th in threads:
             th.join()
@@ -291,27 +296,28 @@ class Demo:
     def _table(self, since: float) -> Table:
         table = Table(title=f"clora demo — learning for {time.monotonic() - since:.0f} s ({self.minutes:.0f} min budget)")
         for col in ("tenant", "task", "base held-out", "traffic steps", "rollouts", "reward (last step)",
-                    "corrections", "learner steps", "live version", "errors"):
+                    "corrections", "learner steps", "live version", "rollbacks", "errors"):
             table.add_column(col)
         for p in self.progress.values():
             table.add_row(p.tenant, p.task, _fmt(p.base_score), str(p.steps), str(p.rollouts), _fmt(p.reward),
                           str(p.corrections), str(p.learner_steps), _version(p.live_version),
-                          str(p.errors))
+                          str(p.rollbacks), str(p.errors))
         return table
 
     # --- the end ---------------------------------------------------------------------------
 
     def _report(self, phases: dict[str, float]) -> dict:
         table = Table(title="clora demo — held-out score, base model vs final adapter")
-        for col in ("tenant", "task", "base", "final", "version", "learner steps", "corrections", "rollouts"):
+        for col in ("tenant", "task", "base", "final", "version", "learner steps", "corrections", "rollouts",
+                    "rollbacks"):
             table.add_column(col)
         rows = []
         for p in self.progress.values():
             table.add_row(p.tenant, p.task, _fmt(p.base_score), _fmt(p.score),
                           _version(p.score_version), str(p.learner_steps),
-                          str(p.corrections), str(p.rollouts))
+                          str(p.corrections), str(p.rollouts), str(p.rollbacks))
             rows.append({k: getattr(p, k) for k in ("tenant", "task", "base_score", "score", "score_version",
-                                                    "learner_steps", "corrections", "rollouts", "errors")}
+                                                    "learner_steps", "corrections", "rollouts", "rollbacks", "errors")}
                         | {"reward_history": p.history})
         self.console.print(table)
         self.console.print(f"start-up {phases['startup_s']:.0f} s, base evaluation {phases['base_eval_s']:.0f} s, "

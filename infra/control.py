@@ -189,8 +189,15 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     @api.get("/tenants/{tenant_id}/versions", dependencies=[Depends(admin)])
     def versions(tenant_id: str):
         tenant_or_404(tenant_id)
-        return {"live": registry.live_version(tenant_id),
-                "versions": [v.model_dump() for v in registry.adapter_versions(tenant_id)]}
+        rewards = buffers.version_rewards(tenant_id)
+
+        def served(version: int | None) -> dict | None:
+            t = rewards.get(version)
+            return None if t is None else {"samples": t.n, "mean": t.mean}
+
+        return {"live": registry.live_version(tenant_id), "base_reward": served(None),
+                "versions": [v.model_dump() | {"served_reward": served(v.version)}
+                             for v in registry.adapter_versions(tenant_id)]}
 
     @api.post("/tenants/{tenant_id}/versions/{version}/promote", dependencies=[Depends(admin)])
     def promote(tenant_id: str, version: int):

@@ -76,6 +76,14 @@ class LearningPolicy(BaseModel):
     ones (None: the learner's `CLORA_LEARNER_FRESH_FRACTION`). 1.0 trains on every new example
     before replaying any, which is what a tenant whose learner lags its traffic wants; replay
     guards against forgetting when what the traffic asks for drifts."""
+    reward_guard: bool = True
+    """Roll the live version back to its newest well-measured ancestor when the rewards it earns
+    fall measurably below that ancestor's (`clora.learner.reward_guard`): both versions need
+    `reward_guard_min_samples` scored samples, and the drop must exceed `reward_guard_margin`
+    and the learner's `CLORA_LEARNER_REWARD_GUARD_Z` standard errors."""
+    reward_guard_min_samples: int = Field(default=12, ge=2, le=1_000_000)
+    reward_guard_margin: float = Field(default=0.1, ge=0, le=1e6)
+    """The smallest drop in mean reward that rolls a version back (rewards' own units)."""
 
 
 class Tenant(BaseModel):
@@ -126,6 +134,9 @@ class AdapterVersion(BaseModel):
     """(first, last) time of the feedback this version was trained on."""
     imported_from: str | None = None
     """The folder this version was imported from (a tenant's `init_adapter`), None when trained."""
+    rolled_back: dict[str, float | int | str | None] | None = None
+    """Set when the reward guard rolled this version back: when, to which version, and the
+    rewards it compared (`GuardVerdict.summary`)."""
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")

@@ -11,6 +11,8 @@ Cluster keeps a tenant on one slot and every script below stays single-slot:
     clora:t:{T}:ex:{kind}       hash  example id -> JSON
     clora:t:{T}:held:{kind}     zset/hash (held:..:ex) the same for held-out examples
     clora:t:{T}:stats           hash  added / evicted / duplicates counters
+    clora:t:{T}:rewards         hash  per adapter version that served them ('base' for none):
+                                      '<v>:n', '<v>:sum', '<v>:sq' of the RL samples' rewards
     clora:t:{T}:recent          list  the latest feedback records (console)
 
 Writes are Lua scripts, so "is this event new?" and "store its examples" are one atomic
@@ -47,10 +49,14 @@ def tkey(tenant: str, *parts: str) -> str:
 
 # Stores the examples of several feedback events of one tenant, each at most once.
 # KEYS: seen, stats, recent, then per kind (sft, preference, rl): buf, ex, held, held_ex ;
-#       seq (KEYS[16]) ; then the parked-feedback hashes that guards g >= 1 refer to (KEYS[16 + g]).
+#       seq (KEYS[16]) ; rewards (KEYS[17]) ; then the parked-feedback hashes that guards g >= 1
+#       refer to (KEYS[17 + g]).
 # ARGV: now, capacity, eviction, dedup_window, n_events, then per event:
-#       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[16 + g]),
-#       recent_json ('' for none), n_examples, then n_examples x (kind 0..2, id, heldout 0/1, json)
+#       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[17 + g]),
+#       recent_json ('' for none), n_examples, then n_examples x
+#       (kind 0..2, id, heldout 0/1, json, tally: '' or '<version>|<reward>' for an RL sample)
+# Each RL sample stored for the first time adds its reward to its serving version's tally (the
+# reward guard reads it): a redelivered event counts once, as it stores once.
 # Returns one character per event: '1' stored, '0' already seen (one bulk string: a reply of
 # thousands of integers costs the client more to parse than the script costs to run).
 #
@@ -77,7 +83,7 @@ local a = 6
 for e = 1, n_events do
   starts[e] = a
   if ARGV[a + 1] == '0' then unguarded[#unguarded + 1] = ARGV[a] end
-  a = a + 4 + 4 * tonumber(ARGV[a + 3])
+  a = a + 4 + 5 * tonumber(ARGV[a + 3])
 end
 sliced(unguarded, 1, function(i, j)
   local scores = redis.call('ZMSCORE', KEYS[1], unpack(unguarded, i, j))
@@ -99,14 +105,14 @@ for e = 1, n_events do
       new_seen[#new_seen + 1] = eid
     end
   else
-    fresh = redis.call('HDEL', KEYS[16 + guard], eid) == 1
+    fresh = redis.call('HDEL', KEYS[17 + guard], eid) == 1
   end
   if fresh then
     if recent ~= '' then recents[#recents + 1] = recent end
     for i = 0, n - 1 do
-      local b = a + 4 + 4 * i
+      local b = a + 4 + 5 * i
       local slot = 4 + tonumber(ARGV[b]) * 4 + (ARGV[b + 2] == '1' and 2 or 0)   -- KEYS index of buf; ex is next
-      cands[#cands + 1] = {slot, ARGV[b + 1], ARGV[b + 3]}
+      cands[#cands + 1] = {slot, ARGV[b + 1], ARGV[b + 3], ARGV[b + 4]}
       local ids = by_slot[slot]
       if not ids then ids = {}; by_slot[slot] = ids end
       ids[#ids + 1] = ARGV[b + 1]
@@ -130,12 +136,20 @@ for slot, ids in pairs(by_slot) do
 end
 local seq = tonumber(redis.call('GET', KEYS[16]) or '0')
 local zadds, hsets, inserted, added = {}, {}, {}, 0
+local tally, tallied = {}, {}
 for _, c in ipairs(cands) do
   local slot, xid, body = c[1], c[2], c[3]
   if not exists[slot][xid] then
     exists[slot][xid] = true
     seq = seq + 1
     added = added + 1
+    if c[4] ~= '' then
+      local sep = string.find(c[4], '|', 1, true)
+      local v, r = string.sub(c[4], 1, sep - 1), tonumber(string.sub(c[4], sep + 1))
+      local t = tally[v]
+      if not t then t = {0, 0, 0}; tally[v] = t; tallied[#tallied + 1] = v end
+      t[1], t[2], t[3] = t[1] + 1, t[2] + r, t[3] + r * r
+    end
     local z, h = zadds[slot], hsets[slot]
     if not z then z, h = {}, {}; zadds[slot], hsets[slot], inserted[slot] = z, h, {} end
     inserted[slot][xid] = true
@@ -186,6 +200,12 @@ if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
 if #recents > 0 then
   redis.call('LPUSH', KEYS[3], unpack(recents, math.max(1, #recents - %d), #recents))
   redis.call('LTRIM', KEYS[3], 0, %d)
+end
+for _, v in ipairs(tallied) do
+  local t = tally[v]
+  redis.call('HINCRBY', KEYS[17], v .. ':n', t[1])
+  redis.call('HINCRBYFLOAT', KEYS[17], v .. ':sum', string.format('%%.17g', t[2]))
+  redis.call('HINCRBYFLOAT', KEYS[17], v .. ':sq', string.format('%%.17g', t[3]))
 end
 if added > 0 then redis.call('HINCRBY', KEYS[2], 'added', added) end
 if evicted > 0 then redis.call('HINCRBY', KEYS[2], 'evicted', evicted) end
@@ -264,6 +284,34 @@ class SampleBatch:
     """How many of `examples` came from after the old cursor."""
 
 
+@dataclass(frozen=True)
+class RewardTally:
+    """The rewards of the RL samples one adapter version served (`ReplayBuffer.version_rewards`)."""
+
+    n: int
+    total: float
+    squares: float
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n
+
+    @property
+    def variance(self) -> float:
+        """Sample variance (n - 1 in the denominator); 0 for a single sample."""
+        if self.n < 2:
+            return 0.0
+        return max(0.0, (self.squares - self.total * self.total / self.n) / (self.n - 1))
+
+
+def _tally(example) -> str:
+    """The per-example tally argument of `_ADD_EXAMPLES`: '<version>|<reward>' for an RL sample."""
+    if example.kind != "rl":
+        return ""
+    version = "base" if example.adapter_version is None else str(example.adapter_version)
+    return f"{version}|{example.reward!r}"
+
+
 def holdout_key(example) -> str:
     """What decides an example's train/held-out side: its id, or for RL samples its group id."""
     return example.group_id if example.kind == "rl" else example.example_id
@@ -292,7 +340,7 @@ class ReplayBuffer:
         for kind in EXAMPLE_KINDS:
             keys += [tkey(tenant, "buf", kind), tkey(tenant, "ex", kind),
                      tkey(tenant, "held", kind), tkey(tenant, "held", kind, "ex")]
-        return keys + [tkey(tenant, "seq")]                 # KEYS[4..16] of _ADD_EXAMPLES
+        return keys + [tkey(tenant, "seq"), tkey(tenant, "rewards")]   # KEYS[4..17] of _ADD_EXAMPLES
 
     # --- writes (ingest worker); each takes an optional pipeline to batch round trips -----
 
@@ -347,7 +395,7 @@ class ReplayBuffer:
             args += [item.event_id, guard, item.recent, len(item.examples)]
             for ex in item.examples:
                 held = "1" if is_heldout(holdout_key(ex), self.policy.holdout_fraction) else "0"
-                args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json()]
+                args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json(), _tally(ex)]
         if pipe is not None:
             return self._add(keys=keys, args=args, client=pipe)
         return stored_flags(self._add(keys=keys, args=args))
@@ -362,6 +410,16 @@ class ReplayBuffer:
 
     def stats(self, tenant: str) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.r.hgetall(tkey(tenant, "stats")).items()}
+
+    def version_rewards(self, tenant: str) -> dict[int | None, RewardTally]:
+        """Per adapter version (None: the base model), the rewards of the RL samples it served
+        that reached the buffer (held-out ones too; evicted ones still count)."""
+        fields: dict[int | None, dict[str, float]] = {}
+        for k, v in self.r.hgetall(tkey(tenant, "rewards")).items():
+            version, _, stat = k.decode().rpartition(":")
+            fields.setdefault(None if version == "base" else int(version), {})[stat] = float(v)
+        return {v: RewardTally(int(f.get("n", 0)), f.get("sum", 0.0), f.get("sq", 0.0))
+                for v, f in fields.items() if f.get("n")}
 
     def recent_feedback(self, tenant: str, n: int = 50) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(tkey(tenant, "recent"), 0, n - 1)]

@@ -8,6 +8,10 @@ shutdown; on start every checkpoint is restored, so a crash loses at most the st
 the last checkpoint. Version numbers come from the registry and the adapters folder, never
 from the checkpoint, so they never go back.
 
+Before a tenant trains, the reward guard (`clora.learner.reward_guard`) checks its live
+version's rewards against its newest well-measured ancestor's; a measurable drop rolls the
+live version back, and the tenant trains on from the restored version's weights.
+
 A tenant seen without a checkpoint starts from its live version's weights when it has one
 (checkpoints lost), else from its `init_adapter` (published first, as its v1), else from a
 fresh LoRA init; see `_register`.
@@ -22,16 +26,18 @@ until SIGTERM/SIGINT. Tests build a `Learner` directly with fakes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import statistics
 import threading
+import time
 from typing import Callable, Protocol
 
 import torch
 
 from clora.ingest.schemas import AdapterEvent
-from clora.learner.adapter_store import AdapterCapacityError, AdapterStore
+from clora.learner.adapter_store import EXP_AVG, GRAD, MASTER, AdapterCapacityError, AdapterStore
 from clora.learner.batches import ChatEncoder
 from clora.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from clora.learner.evaluate import GateDecision, gate
@@ -41,6 +47,7 @@ from clora.learner.losses import has_reward_spread
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.peft_io import AdapterFormatError
 from clora.learner.publish import Publisher
+from clora.learner.reward_guard import GuardSettings, GuardVerdict, judge
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 from clora.learner.trainer import EXAMPLE_KIND, Trainer, TrainerConfig, TrainingPolicy
@@ -53,6 +60,7 @@ class BufferLike(Protocol):
                seed: int | None = None, fill: bool = True): ...
     def newer_than(self, tenant: str, kind: str, cursor: int) -> int: ...
     def heldout(self, tenant: str, kind: str, n: int | None = None) -> list: ...
+    def version_rewards(self, tenant: str) -> dict: ...
 
 
 def tenant_seed(tenant: str) -> int:
@@ -182,6 +190,7 @@ class Learner:
             return None
         tid = decision.tenant
         policy = self.policy(tenants[tid])
+        self.guard(tenants[tid])
         batch, examples = self._sample(tid, policy)
         if not examples:
             self.scheduler.record(tid, 0.0)
@@ -203,6 +212,7 @@ class Learner:
         work, sampled = [], {}
         for tid in decision.tenants:
             policy = self.policy(tenants[tid])
+            self.guard(tenants[tid])
             batch, examples = self._sample(tid, policy)
             if not examples:
                 self.scheduler.record(tid, 0.0)
@@ -219,6 +229,57 @@ class Learner:
         for w in work:
             self._after_step(w.tenant, w.policy, sampled[w.tenant], w.examples, results[w.tenant])
         return tuple(r.tenant for r in fused.results)
+
+    # --- the reward guard ----------------------------------------------------------------------
+
+    def guard(self, tenant) -> GuardVerdict | None:
+        """Judge `tenant`'s live version on the rewards it served (`reward_guard.judge`); on a
+        measurable drop, roll it back and train on from the restored version's weights.
+        Returns the verdict (None when the guard is off or nothing is live). A failure here is
+        logged and never stops training."""
+        p = tenant.policy
+        if not getattr(p, "reward_guard", False) or (live := self.registry.live_version(tenant.id)) is None:
+            return None
+        try:
+            versions = {v.version: v for v in self.registry.adapter_versions(tenant.id)}
+            verdict = judge(live, {v: meta.parent_version for v, meta in versions.items()},
+                            self.buffer.version_rewards(tenant.id),
+                            GuardSettings(p.reward_guard_min_samples, p.reward_guard_margin, self.s.reward_guard_z))
+            if verdict.rollback:
+                self._roll_back(tenant.id, versions[live], verdict)
+            return verdict
+        except Exception:  # noqa: BLE001 - the guard protects serving; it must not stop training
+            log.exception("reward guard of %s failed", tenant.id)
+            return None
+
+    def _roll_back(self, tenant: str, bad, verdict: GuardVerdict) -> None:
+        target = self.publisher.rollback(tenant, verdict.reference)
+        note = {"time": time.time(), "to": verdict.reference, **verdict.summary()}
+        self.registry.record_adapter_version(tenant, bad.model_copy(update={"rolled_back": note}))
+        self._restore_weights(tenant, self.publisher.weights(tenant, target.version))
+        self.metrics.reward_rollbacks.labels(tenant).inc()
+        st = self.store.peek(tenant)
+        self._history(tenant, {"step": st.step, "rollback": bad.version, "version": target.version,
+                               "reward": verdict.live_reward.mean, "reference_reward": verdict.reference_reward.mean})
+        log.warning("reward guard rolled %s back from v%d to v%d: %s", tenant, bad.version, target.version,
+                    verdict.reason)
+
+    def _restore_weights(self, tenant: str, flat: torch.Tensor) -> None:
+        """Train on from `flat` (a published version's weights): the master weights are replaced
+        and Adam's momentum is cleared (it points along the abandoned trajectory); the second
+        moments and the step count stay, so the per-parameter scale stays calibrated and the
+        first updates ramp up as momentum rebuilds. Steps, examples seen and the cursor stay:
+        the data consumed since is not trained on again. Checkpointed at once."""
+        if self.fused is not None and (i := self.fused.slots.slot_of(tenant)) is not None:
+            self.fused.slots.evict(i, self.store)
+        st = self.store.state(tenant)
+        buffer = st.buffer.clone()
+        buffer[MASTER].copy_(flat)
+        buffer[EXP_AVG].zero_()
+        buffer[GRAD].zero_()
+        extras = {k: v for k, v in st.extras.items() if k != "feedback_window"}   # its data is not in these weights
+        self.store.put(dataclasses.replace(st, buffer=buffer, micro_steps=0, extras=extras))
+        self.checkpoint(tenant)
 
     def _sample(self, tid: str, policy: TrainingPolicy):
         """(buffer sample, the examples of the policy's kind) for one step of `tid`."""

@@ -147,7 +147,11 @@ class Publisher:
         live = self.registry.live_version(tenant)
         if live is None:
             return None
-        return live, read_adapter(self.tenant_dir(tenant) / f"v{live}", self.layout)
+        return live, self.weights(tenant, live)
+
+    def weights(self, tenant: str, version: int) -> torch.Tensor:
+        """The flat weights (P,) of a published version (`AdapterFormatError` when unreadable)."""
+        return read_adapter(self.tenant_dir(tenant) / f"v{version}", self.layout)
 
 
 

@@ -64,6 +64,10 @@ class LearnerSettings(BaseSettings):
     eval_min_margin: float = Field(default=0.01, ge=0)
     """The publish gate lets a candidate's held-out loss exceed live's by this much (absolute,
     nats per token for SFT) even where the tenant's relative `eval_tolerance` allows less."""
+    reward_guard_z: float = Field(default=2.5, gt=0)
+    """Standard errors a live version's mean reward must fall below its reference's before the
+    reward guard rolls it back (with the tenant's `reward_guard_margin`). It is checked again at
+    every step of the tenant, so it is set above the one-off 1.65 of a 5% one-sided test."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Checkpoint a tenant after every k of its steps (and at every publish and at shutdown)."""
     idle_sleep_s: float = Field(default=1.0, gt=0)

@@ -169,12 +169,14 @@ async function renderTenant(id, first) {
   document.getElementById("chart-loss").replaceChildren(lineChart([series("loss", "#f85149")], { title: "training loss" }));
   document.getElementById("chart-eval").replaceChildren(lineChart([series("eval", "#4fb0ff")], { title: "held-out loss (lower is better)" }));
   document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },
-    el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "feedback window", "created", ""].map(h => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "served reward", "feedback window", "created", ""].map(h => el("th", {}, h)))),
     el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },
-      el("td", { class: v.version === versions.live ? "live" : "" }, "v" + v.version + (v.version === versions.live ? " (live)" : "")),
+      el("td", { class: v.version === versions.live ? "live" : "" }, "v" + v.version + (v.version === versions.live ? " (live)" : ""),
+        v.rolled_back ? el("div", { class: "rolled-back", title: v.rolled_back.reason }, `rolled back to v${v.rolled_back.to} by the reward guard`) : ""),
       el("td", {}, v.parent_version === null ? "—" : "v" + v.parent_version),
       el("td", {}, String(v.step)), el("td", {}, String(v.examples_seen)),
       el("td", { class: "mono" }, Object.entries(v.eval_scores).map(([k, s]) => `${k}=${fmtNum(s)}`).join(" ")),
+      el("td", { class: "served-reward" }, v.served_reward ? `${fmtNum(v.served_reward.mean, 2)} (${v.served_reward.samples})` : "—"),
       el("td", {}, v.feedback_window ? `${fmtTime(v.feedback_window[0])} → ${fmtTime(v.feedback_window[1])}` : "—"),
       el("td", {}, fmtTime(v.created_at)),
       el("td", {}, v.version === versions.live ? "" : el("button", { class: "promote", onclick: () => act(() => api(`/tenants/${enc}/versions/${v.version}/promote`, { method: "POST" })) }, "make live")))))));
@@ -212,6 +214,7 @@ function policyForm(id, p) {
     const f = ev.target;
     const changes = { algorithm: f.algorithm.value };
     for (const k of ["learning_rate", "batch_size", "weight", "priority", "min_new_examples"]) changes[k] = Number(f[k].value);
+    changes.reward_guard = f.reward_guard.checked;
     try { await api(`/tenants/${encodeURIComponent(id)}/policy`, { method: "PATCH", body: JSON.stringify(changes) }); msg.textContent = "saved"; msg.className = ""; }
     catch (e) { msg.textContent = e.message; msg.className = "error"; }
   } },
@@ -219,6 +222,8 @@ function policyForm(id, p) {
     field("learning_rate", p.learning_rate, { type: "number", step: "any" }), field("batch_size", p.batch_size, { type: "number" }),
     field("weight", p.weight, { type: "number", step: "any" }), field("priority", p.priority, { type: "number" }),
     field("min_new_examples", p.min_new_examples, { type: "number" }),
+    el("label", { title: "roll the live version back when its served reward drops measurably below the version it replaced" },
+      "reward guard", el("input", { name: "reward_guard", type: "checkbox", checked: p.reward_guard })),
     el("button", { type: "submit" }, "Save"), msg);
   return form;
 }

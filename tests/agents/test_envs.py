@@ -105,7 +105,7 @@ def test_support_reward_is_the_share_of_style_rules_met():
     assert env.rules_met(p, f"Hello {name}! Checking #{order} now.") == {
         "greets_by_name": True, "mentions_order": True, "signs_off": False}
     assert env.reward(p, f"Checking order #{order}.\n— Acme Support") == pytest.approx(2 / 3)
-    assert env.reward(p, f"Hi Bob,\nSorry.\n— Acme Support\nP.S. bye") == 0.0
+    assert env.reward(p, "Hi Bob,\nSorry.\n— Acme Support\nP.S. bye") == 0.0
     assert env.reward(p, "Thanks for reaching out!") == 0.0
 
 

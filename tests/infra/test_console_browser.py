@@ -104,17 +104,31 @@ def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker
     shot(page, "tenant-feedback")
 
 
-def test_rollback_changes_the_live_version(page, registry, tenant_id):
+def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_id):
+    from clora.ingest.buffers import ReplayBuffer
+    from clora.ingest.schemas import RLSample
+
     registry.create_tenant(tenant_id, name="Versions")
     for v in (1, 2, 3):
+        guard = {"to": 1, "reason": "mean reward 0.1 over 12 samples vs v1's 0.9 over 30"} if v == 2 else None
         registry.record_adapter_version(tenant_id, AdapterVersion(
             version=v, path=f"/a/{tenant_id}/v{v}", base_model="tiny", parent_version=v - 1 if v > 1 else None,
-            step=10 * v, examples_seen=64 * v, eval_scores={"heldout": 0.2 * v}))
+            step=10 * v, examples_seen=64 * v, eval_scores={"heldout": 0.2 * v}, rolled_back=guard))
         registry.append_metrics(tenant_id, {"step": 10 * v, "loss": 2.0 / v, "reward": 0.3 * v, "eval": 0.2 * v})
     registry.set_live_version(tenant_id, 3)
+    buffer = ReplayBuffer(redis_client)
+    for i, reward in enumerate([1.0, 0.0, 1.0]):   # what v3 served earned, as the ingest worker stores it
+        buffer.add_examples(tenant_id, f"f{i}", [RLSample(
+            example_id=f"f{i}:rl", tenant=tenant_id, interaction_id=f"i{i}", feedback_event_id=f"f{i}", time=1.0,
+            adapter_version=3, messages=[{"role": "user", "content": "q"}], response={"role": "assistant", "content": "a"},
+            reward=reward, group_id=f"g{i}")], now=1.0)
     page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
     page.wait_for_selector("#live-version:has-text('v3')")
     assert page.locator("#chart-reward path.line").count() == 1
+    assert page.inner_text("tr[data-version='3'] td.served-reward") == "0.67 (3)"
+    assert page.inner_text("tr[data-version='1'] td.served-reward") == "—"
+    assert page.inner_text("tr[data-version='2'] .rolled-back") == "rolled back to v1 by the reward guard"
+    assert page.is_checked("#policy-form input[name=reward_guard]")
     shot(page, "tenant")
     page.click("#rollback")
     page.wait_for_selector("#live-version:has-text('v2')")
@@ -124,6 +138,10 @@ def test_rollback_changes_the_live_version(page, registry, tenant_id):
     page.click("#pause-toggle")
     page.wait_for_selector("#state:has-text('paused')")
     assert registry.get_tenant(tenant_id).policy.paused
+    page.uncheck("#policy-form input[name=reward_guard]")
+    page.click("#policy-form button[type=submit]")
+    page.wait_for_selector("#policy-msg:has-text('saved')")
+    assert registry.get_tenant(tenant_id).policy.reward_guard is False
     page.fill("#policy-form input[name=learning_rate]", "-1")
     page.click("#policy-form button[type=submit]")
     page.wait_for_selector("#policy-msg.error:has-text('learning_rate')")

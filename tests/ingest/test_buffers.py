@@ -3,11 +3,12 @@ feedback that arrives first, sampling that mixes fresh and older data, and AOF d
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
 
-from clora.ingest.buffers import BufferPolicy, ReplayBuffer, is_heldout
+from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer, is_heldout
 from clora.ingest.schemas import RLSample, SFTExample
 
 pytestmark = pytest.mark.integration
@@ -93,6 +94,34 @@ def test_rl_samples_are_held_out_by_group(redis_client, tenant_id):
     assert all(held.count(g) == 4 for g in held) and all(train.count(g) == 4 for g in train)
 
 
+def _rl(tenant: str, n: int, reward: float, version: int | None, group: str = "") -> RLSample:
+    return RLSample(example_id=f"fb{n}:rl", tenant=tenant, interaction_id=f"i{n}", feedback_event_id=f"fb{n}",
+                    time=time.time(), messages=[{"role": "user", "content": f"q{n}"}], adapter_version=version,
+                    response={"role": "assistant", "content": f"a{n}"}, reward=reward, group_id=group or f"g{n}")
+
+
+def test_rewards_are_tallied_per_serving_version_once_per_sample(redis_client, tenant_id):
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.3, capacity=3))
+    rewards = {None: [0.0, 0.0, 1.0], 1: [1.0, 1.0, 0.0, 1.0], 2: [0.25, -0.5]}
+    n = 0
+    for version, rs in rewards.items():
+        for r in rs:
+            n += 1
+            buf.add_examples(tenant_id, f"fb{n}", [_rl(tenant_id, n, r, version), sft(tenant_id, n)], now=time.time())
+    buf.add_examples(tenant_id, "fb1", [_rl(tenant_id, 1, 0.0, None)], now=time.time())        # redelivered
+    buf.add_many(tenant_id, [PendingWrite("fb99", [_rl(tenant_id, 99, 1.0, 2)]),              # one call, two
+                             PendingWrite("fb98", [_rl(tenant_id, 98, 0.5, 2)])], now=time.time())  # events
+    rewards[2] += [1.0, 0.5]
+    tallies = buf.version_rewards(tenant_id)
+    assert set(tallies) == {None, 1, 2}
+    for version, rs in rewards.items():   # held-out and evicted samples (capacity 3) count too
+        t = tallies[version]
+        assert t.n == len(rs)
+        assert t.mean == pytest.approx(statistics.fmean(rs))
+        assert t.variance == pytest.approx(statistics.variance(rs))
+    assert buf.version_rewards("nobody") == {}
+
+
 def test_sampling_validates_arguments(redis_client, tenant_id):
     buf = ReplayBuffer(redis_client)
     with pytest.raises(ValueError, match="n must be"):
@@ -126,6 +155,7 @@ def test_feedback_first_then_interaction_joins_once(redis_client, tenant_id):
             f = FeedbackEvent.model_validate_json(parked[j + 1])
             buf.add_examples(tenant_id, f.event_id, build_examples(ix, f), now=time.time(), parked_for="i9")
     assert buf.depth(tenant_id, "rl") == 1
+    assert buf.version_rewards(tenant_id)[None].n == 1
     # with the interaction stored, parking is refused: the caller must join directly
     assert buf.park_feedback(tenant_id, "f10", "i9", fb.model_dump_json(), now=time.time()) == -1
 

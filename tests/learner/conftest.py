@@ -7,6 +7,8 @@ import torch
 
 from clora.learner.base_model import load_base_model, make_tiny_model
 
+from .helpers import learner_world
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
@@ -18,3 +20,9 @@ def tiny(tiny_model_dir):
     """A fresh (model, tokenizer) pair: tests may wrap the model with LoRA."""
     torch.set_num_threads(2)
     return load_base_model(tiny_model_dir)
+
+
+@pytest.fixture()
+def world(tmp_path):
+    """(settings, registry, buffer) of a learner: see `helpers.learner_world`."""
+    return learner_world(tmp_path)

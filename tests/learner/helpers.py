@@ -82,6 +82,15 @@ class FakeBuffer:
     def heldout(self, tenant, kind, n=None):
         return self.held.get((tenant, kind), [])[:n]
 
+    def version_rewards(self, tenant):
+        from clora.ingest.buffers import RewardTally
+
+        by_version: dict = {}
+        for store in (self.data, self.held):
+            for e in store.get((tenant, "rl"), []):
+                by_version.setdefault(e.adapter_version, []).append(e.reward)
+        return {v: RewardTally(len(rs), sum(rs), sum(r * r for r in rs)) for v, rs in by_version.items()}
+
     def sample(self, tenant, kind, n, *, cursor=0, fresh_fraction=0.5, seed=None, fill=True):
         import random
         from types import SimpleNamespace

@@ -9,7 +9,7 @@ from clora.learner.checkpoint import list_checkpoints, load_checkpoint
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 
-from .test_process import _learner, world  # noqa: F401  (fixture)
+from .test_process import _learner
 
 
 def test_pick_group_takes_the_k_smallest_virtual_times_and_skips_ineligible():
@@ -24,7 +24,7 @@ def test_pick_group_takes_the_k_smallest_virtual_times_and_skips_ineligible():
     assert s.pick_group([TenantView("p", True, 1.0, 0, 1, 5)], 3).tenants == ()
 
 
-def test_learner_in_fused_mode_trains_tenants_together_and_publishes(world, tiny_model_dir):  # noqa: F811
+def test_learner_in_fused_mode_trains_tenants_together_and_publishes(world, tiny_model_dir):
     settings, reg, buf = world
     fused_world = (settings.model_copy(update={"training_mode": "fused", "fused_max_tenants": 2,
                                                 "fused_max_chunk_tokens": 64}), reg, buf)

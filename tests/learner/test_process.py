@@ -13,12 +13,7 @@ from clora.learner.checkpoint import list_checkpoints
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.process import Learner
 
-from .helpers import learner_world, rl, sft
-
-
-@pytest.fixture()
-def world(tmp_path):
-    return learner_world(tmp_path)
+from .helpers import rl, sft
 
 
 def _learner(world, tiny_model_dir, events, device: str = "cpu"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clora.learner.adapter_store import (GRAD, MASTER, AdapterCapacityError, AdapterStore,
+from clora.learner.adapter_store import (MASTER, AdapterCapacityError, AdapterStore,
                                          UnknownTenantError)
 from clora.learner.batches import ChatEncoder
 from clora.learner.lora import LoraModel, LoraSpec
