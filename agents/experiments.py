@@ -371,8 +371,10 @@ class Experiment:
         return records
 
     def _create_tenant(self) -> str:
+        # the reference's experiments have no reward guard: a rollback would break the one
+        # version per step that makes both modes' steps comparable
         policy = {"algorithm": self.c.algorithm, "learning_rate": self.c.learning_rate, "batch_size": 1,
-                  "min_new_examples": 1, "eval_tolerance": 1.0, "paused": True}
+                  "min_new_examples": 1, "eval_tolerance": 1.0, "reward_guard": False, "paused": True}
         body = {"id": self.tenant, "name": "bench experiment", "policy": policy}
         if self.c.init_adapter is not None:
             body["init_adapter"] = self.c.init_adapter

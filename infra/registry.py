@@ -283,6 +283,13 @@ class Registry:
         if not self.r.hsetnx(self._tkey(tenant_id) + ":versions", str(version.version), version.model_dump_json()):
             raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}")
 
+    def mark_rolled_back(self, tenant_id: str, version: int, note: dict) -> AdapterVersion:
+        """Record on a published version that the reward guard rolled it back (`rolled_back`);
+        the only change a version record takes after it is written. Returns the new record."""
+        meta = self.adapter_version(tenant_id, version).model_copy(update={"rolled_back": note})
+        self.r.hset(self._tkey(tenant_id) + ":versions", str(version), meta.model_dump_json())
+        return meta
+
     def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]:
         raw = self.r.hgetall(self._tkey(tenant_id) + ":versions")
         return sorted((AdapterVersion.model_validate_json(v) for v in raw.values()), key=lambda v: v.version)

@@ -8,9 +8,10 @@ shutdown; on start every checkpoint is restored, so a crash loses at most the st
 the last checkpoint. Version numbers come from the registry and the adapters folder, never
 from the checkpoint, so they never go back.
 
-Before a tenant trains, the reward guard (`clora.learner.reward_guard`) checks its live
-version's rewards against its newest well-measured ancestor's; a measurable drop rolls the
-live version back, and the tenant trains on from the restored version's weights.
+Every `reward_guard_interval_s`, the reward guard (`clora.learner.reward_guard`) checks each
+unpaused tenant's live version's rewards against its newest well-measured ancestor's, whether
+or not the tenant has data to train on; a measurable drop rolls the live version back, and the
+tenant trains on from the restored version's weights.
 
 A tenant seen without a checkpoint starts from its live version's weights when it has one
 (checkpoints lost), else from its `init_adapter` (published first, as its v1), else from a
@@ -91,6 +92,7 @@ class Learner:
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
         self._rejected: set[str] = set()
         self._dirty: set[str] = set()
+        self._guarded_at = -float("inf")
         self._gate_cache: dict[str, tuple[tuple, dict[str, float]]] = {}
         """Per tenant: (live version, policy's loss settings) and that version's loss on each
         held-out example scored so far (by example id). The live version is usually the last
@@ -185,12 +187,12 @@ class Learner:
             trained = self.tick_fused()
             return trained[0] if trained else None
         views, tenants = self._views()
+        self._guard_round(tenants)
         decision = self.scheduler.pick(views)
         if decision.tenant is None:
             return None
         tid = decision.tenant
         policy = self.policy(tenants[tid])
-        self.guard(tenants[tid])
         batch, examples = self._sample(tid, policy)
         if not examples:
             self.scheduler.record(tid, 0.0)
@@ -208,11 +210,11 @@ class Learner:
         if self.fused is None:
             raise RuntimeError("tick_fused needs training_mode='fused'")
         views, tenants = self._views()
+        self._guard_round(tenants)
         decision = self.scheduler.pick_group(views, self.fused.max_tenants)
         work, sampled = [], {}
         for tid in decision.tenants:
             policy = self.policy(tenants[tid])
-            self.guard(tenants[tid])
             batch, examples = self._sample(tid, policy)
             if not examples:
                 self.scheduler.record(tid, 0.0)
@@ -232,6 +234,16 @@ class Learner:
 
     # --- the reward guard ----------------------------------------------------------------------
 
+    def _guard_round(self, tenants: dict) -> None:
+        """Run the reward guard over every unpaused tenant, at most every `reward_guard_interval_s`."""
+        now = time.monotonic()
+        if now - self._guarded_at < self.s.reward_guard_interval_s:
+            return
+        self._guarded_at = now
+        for t in tenants.values():
+            if not t.policy.paused:
+                self.guard(t)
+
     def guard(self, tenant) -> GuardVerdict | None:
         """Judge `tenant`'s live version on the rewards it served (`reward_guard.judge`); on a
         measurable drop, roll it back and train on from the restored version's weights.
@@ -241,10 +253,14 @@ class Learner:
         if not getattr(p, "reward_guard", False) or (live := self.registry.live_version(tenant.id)) is None:
             return None
         try:
-            versions = {v.version: v for v in self.registry.adapter_versions(tenant.id)}
-            verdict = judge(live, {v: meta.parent_version for v, meta in versions.items()},
-                            self.buffer.version_rewards(tenant.id),
+            tallies = self.buffer.version_rewards(tenant.id)
+            judged = live in tallies and tallies[live].n >= p.reward_guard_min_samples   # else no need to read
+            versions = {v.version: v for v in self.registry.adapter_versions(tenant.id)} if judged else {}
+            verdict = judge(live, {v: meta.parent_version for v, meta in versions.items()}, tallies,
                             GuardSettings(p.reward_guard_min_samples, p.reward_guard_margin, self.s.reward_guard_z))
+            if verdict.rollback and versions[live].rolled_back is not None:   # the guard rolled it back once,
+                return dataclasses.replace(verdict, rollback=False, reason=(   # then someone made it live again
+                    f"v{live} was made live again after the reward guard rolled it back; left as it is"))
             if verdict.rollback:
                 self._roll_back(tenant.id, versions[live], verdict)
             return verdict
@@ -253,10 +269,11 @@ class Learner:
             return None
 
     def _roll_back(self, tenant: str, bad, verdict: GuardVerdict) -> None:
-        target = self.publisher.rollback(tenant, verdict.reference)
+        weights = self.publisher.weights(tenant, verdict.reference)   # unreadable: raises, nothing changed
         note = {"time": time.time(), "to": verdict.reference, **verdict.summary()}
-        self.registry.record_adapter_version(tenant, bad.model_copy(update={"rolled_back": note}))
-        self._restore_weights(tenant, self.publisher.weights(tenant, target.version))
+        self.registry.mark_rolled_back(tenant, bad.version, note)                     # before it
+        target = self.publisher.rollback(tenant, verdict.reference)                   # shows as rolled back
+        self._restore_weights(tenant, weights)
         self.metrics.reward_rollbacks.labels(tenant).inc()
         st = self.store.peek(tenant)
         self._history(tenant, {"step": st.step, "rollback": bad.version, "version": target.version,

@@ -66,8 +66,11 @@ class LearnerSettings(BaseSettings):
     nats per token for SFT) even where the tenant's relative `eval_tolerance` allows less."""
     reward_guard_z: float = Field(default=2.5, gt=0)
     """Standard errors a live version's mean reward must fall below its reference's before the
-    reward guard rolls it back (with the tenant's `reward_guard_margin`). It is checked again at
-    every step of the tenant, so it is set above the one-off 1.65 of a 5% one-sided test."""
+    reward guard rolls it back (with the tenant's `reward_guard_margin`). It is checked again and
+    again as samples arrive, and an episode's turns share one reward (so samples are not
+    independent): it is set well above the one-off 1.65 of a 5% one-sided test."""
+    reward_guard_interval_s: float = Field(default=2.0, ge=0)
+    """How often the reward guard checks every unpaused tenant's live version."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Checkpoint a tenant after every k of its steps (and at every publish and at shutdown)."""
     idle_sleep_s: float = Field(default=1.0, gt=0)

@@ -56,6 +56,10 @@ class FakeRegistry:
     def record_adapter_version(self, tenant_id, version):
         self.versions.setdefault(tenant_id, {})[version.version] = version
 
+    def mark_rolled_back(self, tenant_id, version, note):
+        self.versions[tenant_id][version] = self.versions[tenant_id][version].model_copy(update={"rolled_back": note})
+        return self.versions[tenant_id][version]
+
     def adapter_versions(self, tenant_id):
         return [self.versions[tenant_id][v] for v in sorted(self.versions.get(tenant_id, {}))]
 

@@ -73,11 +73,12 @@ def _served(buf, tenant: str, version: int, rewards: list[float], start: int) ->
         buf.add(rl(tenant, start + i, f"q{start + i}?", "x", r, f"g{start + i}", adapter_version=version))
 
 
-def _three_versions(world, tiny_model_dir, mode: str, events: list):
+def _three_versions(world, tiny_model_dir, mode: str, events: list, **settings_update):
     settings, reg, buf = world
     reg.tenants["beta"].policy.paused = True
     if mode == "fused":
-        settings = settings.model_copy(update={"training_mode": "fused", "fused_max_tenants": 2})
+        settings_update |= {"training_mode": "fused", "fused_max_tenants": 2}
+    settings = settings.model_copy(update=settings_update)
     lr = _learner((settings, reg, buf), tiny_model_dir, events)
     while lr.tick() is not None:
         pass
@@ -113,6 +114,11 @@ def test_the_learner_rolls_a_worse_live_version_back_and_trains_on_from_the_rest
     # v2's own parent (v1) served nothing: nothing to compare with, no second rollback
     again = lr.guard(acme)
     assert not again.rollback and reg.live_version("acme") == 2
+    # an operator who makes v3 live again overrules the guard
+    reg.set_live_version("acme", 3)
+    overruled = lr.guard(acme)
+    assert not overruled.rollback and "made live again" in overruled.reason and reg.live_version("acme") == 3
+    reg.set_live_version("acme", 2)
 
     for i in range(4):
         buf.add(sft("acme", 300 + i, f"q{300 + i}?", "blue"))
@@ -128,3 +134,15 @@ def test_a_tenant_can_turn_the_guard_off(world, tiny_model_dir):
     _served(buf, "acme", 3, [0.0] * 12, 200)
     reg.tenants["acme"].policy.reward_guard = False
     assert lr.guard(reg.tenants["acme"]) is None and reg.live_version("acme") == 3
+
+
+def test_the_loop_guards_every_unpaused_tenant_even_with_nothing_to_train(world, tiny_model_dir):
+    _, reg, buf = world
+    lr = _three_versions(world, tiny_model_dir, "serial", [], reward_guard_interval_s=0.0)
+    _served(buf, "acme", 2, [1.0] * 12, 100)
+    _served(buf, "acme", 3, [0.0] * 12, 200)
+    reg.tenants["acme"].policy.paused = True      # an operator holding the tenant still: left alone
+    assert lr.tick() is None and reg.live_version("acme") == 3
+    reg.tenants["acme"].policy.paused = False
+    assert lr.tick() is None                      # no SFT data waiting, yet the guard ran
+    assert reg.live_version("acme") == 2 and reg.versions["acme"][3].rolled_back["to"] == 2
