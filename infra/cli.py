@@ -126,6 +126,74 @@ def tenant_revoke_key(tenant_id: str, key_id: str):
     console.print(f"key {key_id} of {tenant_id} revoked")
 
 
+def _control(method: str, path: str, body: dict | None = None) -> dict:
+    """Call the control-plane API (the console service) as the admin: it validates the change
+    and announces it to serving, as the console's buttons do. Exits 2 with the API's message."""
+    import httpx
+
+    from clora.infra.control import load_admin_token
+
+    s, platform = ConsoleSettings(), PlatformSettings()
+    url = f"http://{s.host}:{s.port}/api{path}"
+    headers = {"Authorization": f"Bearer {load_admin_token(platform.data_dir, platform.admin_token)}"}
+    try:
+        r = httpx.request(method, url, headers=headers, json=body, timeout=30)
+    except httpx.HTTPError as e:
+        console.print(f"[red]error:[/] cannot reach the console at {url} ({e}). Is `clora up` running, "
+                      "or CLORA_CONSOLE_PORT set?")
+        raise typer.Exit(2) from e
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        console.print(f"[red]error:[/] {message}")
+        raise typer.Exit(2)
+    return r.json()
+
+
+@tenant_app.command("versions")
+def tenant_versions(tenant_id: str, as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
+    """List a tenant's adapter versions: lineage, held-out loss, the reward each earned serving
+    (mean and scored samples), and the reward guard's rollbacks."""
+    data = _control("GET", f"/tenants/{tenant_id}/versions")
+    if as_json:
+        print(json.dumps(data))
+        return
+    table = Table("version", "parent", "step", "examples", "held-out loss", "served reward", "notes")
+    for v in reversed(data["versions"]):
+        reward = v.get("served_reward")
+        guard = v.get("rolled_back")
+        table.add_row(f"v{v['version']}" + (" (live)" if v["version"] == data["live"] else ""),
+                      "—" if v["parent_version"] is None else f"v{v['parent_version']}", str(v["step"]),
+                      str(v["examples_seen"]), _num(v["eval_scores"].get("eval_loss")),
+                      "—" if reward is None else f"{reward['mean']:.2f} ({reward['samples']})",
+                      f"rolled back to v{guard['to']} by the reward guard: {guard['reason']}" if guard else "")
+    console.print(table)
+    base = data.get("base_reward")
+    console.print(f"live: {'base model' if data['live'] is None else 'v' + str(data['live'])}"
+                  + ("" if base is None else f"; the base model earned {base['mean']:.2f} ({base['samples']})"))
+
+
+@tenant_app.command("rollback")
+def tenant_rollback(tenant_id: str, to: int = typer.Option(None, "--to", help="The version to make live "
+                                                           "(default: the live version's parent)")):
+    """Make an earlier version live; serving swaps to it at once."""
+    live = _control("POST", f"/tenants/{tenant_id}/rollback", {"version": to})["live"]
+    console.print(f"{tenant_id}: v{live} is live")
+
+
+@tenant_app.command("promote")
+def tenant_promote(tenant_id: str, version: int):
+    """Make any recorded version live (a newer one after a rollback, say); serving swaps at once."""
+    live = _control("POST", f"/tenants/{tenant_id}/versions/{version}/promote")["live"]
+    console.print(f"{tenant_id}: v{live} is live")
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4f}"
+
+
 @app.command("webhook")
 def webhook(log_level: str = "INFO"):
     """Run the feedback webhook (HTTP)."""
