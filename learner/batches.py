@@ -35,7 +35,8 @@ class TokenBatch:
       attention_mask [[1, 1, 1, 1], [1, 1, 1, 1]]
       loss_mask      [[0, 1, 1], [1, 1, 1]]   # (B, T-1): position t scores input_ids[:, t+1]
     RL batches (`ChatEncoder.rl`) also carry, aligned like loss_mask: `behaviour_logprobs`
-    (when served), `advantages` (each target token's sample's advantage) and `weights`
+    (when served; None when no sample has them, NaN on the target tokens of a sample without
+    them beside samples with them: see `losses.behaviour_or_current`), `advantages` (each target token's sample's advantage) and `weights`
     (1 / its sample's target tokens; see `losses.clipped_surrogate`). A row may hold several
     samples (packed turns): `samples` counts them.
     """
@@ -139,6 +140,8 @@ class ChatEncoder:
                 weight[r, start:start + n] = 1.0 / n
                 if s.completion_logprobs:
                     blp[r, start:start + n] = torch.tensor(s.completion_logprobs[:n], dtype=torch.float32)
+                else:  # none served: the current policy's stand in (`losses.behaviour_or_current`)
+                    blp[r, start:start + n] = float("nan")
                 if advantages is not None:
                     adv[r, start:start + n] = float(advantages[i])
         if advantages is None:

@@ -54,7 +54,7 @@ from clora.kernels import BackendName, SegmentedBackend, make_backend
 from clora.learner.batches import TokenBatch, micro_batches
 from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
-from clora.learner.losses import clipped_surrogate, dpo_pair_losses, group_advantages
+from clora.learner.losses import behaviour_or_current, clipped_surrogate, dpo_pair_losses, group_advantages
 from clora.learner.optim import adam_step
 from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
@@ -128,7 +128,6 @@ class _Unit:
     round: int
     weight: float
     order: int
-    on_policy: bool = False  # RL: behaviour = the current policy (its micro-batch had no logprobs)
     pairs: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
@@ -291,12 +290,11 @@ class FusedTrainer:
                 weight = share / n_tokens  # sft_loss: mean over the micro-batch's target tokens
             else:
                 weight = share / len(chunk)  # the surrogate: a mean over samples (a row sums its samples')
-            on_policy = batch.behaviour_logprobs is None  # the solo step then uses the current policy
             if not free:
-                units.append(_Unit(t, (batch,), m, weight, len(units), on_policy))
+                units.append(_Unit(t, (batch,), m, weight, len(units)))
                 continue
             for i in range(batch.input_ids.shape[0]):
-                units.append(_Unit(t, (_row(batch, i),), m, weight, len(units), on_policy))
+                units.append(_Unit(t, (_row(batch, i),), m, weight, len(units)))
         return units
 
     def _train_chunk(self, algorithm: str, units: list[_Unit], num_tenants: int, timing: _Timing) -> None:
@@ -378,9 +376,7 @@ class FusedTrainer:
         if algorithm == "sft":
             part = -(lp * mask).sum(-1) * weight
         else:  # rl: the clipped surrogate per sequence, as `policy_gradient_loss` averages it
-            on_policy = row([u.on_policy for u in units]).unsqueeze(-1)
-            behaviour = lp.detach() if b.behaviour_logprobs is None else torch.where(on_policy, lp.detach(),
-                                                                                     b.behaviour_logprobs)
+            behaviour = behaviour_or_current(b.behaviour_logprobs, lp)   # NaN: a unit without served ones
             eps = row([u.tenant.work.policy.rl_clip_eps for u in units]).unsqueeze(-1)
             part = clipped_surrogate(lp, behaviour, b.advantages, b.weights, eps) * weight
         return torch.zeros(num_tenants, device=dev).index_add(0, owner, part)

@@ -116,7 +116,8 @@ def plan_chunks(rows: Sequence[int], widths: Sequence[int], max_tokens: int, max
 def stack_blocks(blocks: Sequence[TokenBatch], pad_id: int) -> TokenBatch:
     """Blocks of rows stacked in order, right-padded to the widest: input_ids / attention_mask
     (R, T), loss_mask (R, T-1), and behaviour_logprobs, advantages and weights (R, T-1; zeros
-    for blocks without them) or None when no block has them."""
+    for blocks without them, but behaviour_logprobs NaN on such a block's target tokens: the
+    current policy stands in there, `losses.behaviour_or_current`) or None when no block has them."""
     if not blocks:
         raise ValueError("stack_blocks got no blocks")
     width = max(b.input_ids.shape[1] for b in blocks)
@@ -136,6 +137,8 @@ def stack_blocks(blocks: Sequence[TokenBatch], pad_id: int) -> TokenBatch:
         for name, out in per_token.items():
             if out is not None and getattr(b, name) is not None:
                 out[row:row + n, :w - 1] = getattr(b, name)
+            elif out is not None and name == "behaviour_logprobs":
+                out[row:row + n, :w - 1] = torch.where(b.loss_mask > 0, float("nan"), 0.0)
         row += n
     return TokenBatch(ids, att, mask, **per_token)
 

@@ -83,6 +83,17 @@ def sample_weights(mask: torch.Tensor) -> torch.Tensor:
     return mask / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
+def behaviour_or_current(served: torch.Tensor | None, current: torch.Tensor) -> torch.Tensor:
+    """The behaviour logprobs the surrogate compares with: the served ones (recorded when the
+    sample was generated), and the current policy's, detached, where a sample has none (the
+    whole batch: `served` None; some samples: NaN on their target tokens). Such a sample counts
+    as on-policy: ratio 1. Example: served [[-1, nan]], current [[-2, -3]] -> [[-1, -3]]."""
+    current = current.detach()
+    if served is None:
+        return current
+    return torch.where(torch.isnan(served), current, served)
+
+
 def clipped_surrogate(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
                       weights: torch.Tensor, clip_eps: float | torch.Tensor = 0.2) -> torch.Tensor:
     """Clipped importance-sampled policy gradient (PPO/GRPO surrogate) per row -> (B,).

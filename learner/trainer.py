@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder, TokenBatch, micro_batches
-from clora.learner.losses import (dpo_pair_losses, group_advantages, policy_gradient_loss, sample_weights,
-                                  sequence_logprob, sft_loss, token_logprobs)
+from clora.learner.losses import (behaviour_or_current, dpo_pair_losses, group_advantages, policy_gradient_loss,
+                                  sample_weights, sequence_logprob, sft_loss, token_logprobs)
 from clora.learner.lora import LoraModel
 from clora.learner.optim import AdamConfig, adam_step
 
@@ -135,7 +135,7 @@ class Trainer:
                     chosen.num_target_tokens + rejected.num_target_tokens, 2 * len(examples))
         b = enc.rl(list(examples), advantages).to(dev)  # an episode's turns share a row
         lp = self._logprobs(b)
-        behaviour = b.behaviour_logprobs if b.behaviour_logprobs is not None else lp.detach()
+        behaviour = behaviour_or_current(b.behaviour_logprobs, lp)
         return (policy_gradient_loss(lp, behaviour, b.advantages, b.weights, b.samples, policy.rl_clip_eps),
                 b.num_target_tokens, b.input_ids.shape[0])
 

@@ -125,7 +125,16 @@ def mixed_work() -> dict[str, tuple[list, TrainingPolicy]]:
         # an agent's episodes: turn 1's prompt is turn 0's tokens + a tool result, so they pack
         # into one row (out of order here; 3 rows, 2 a micro-batch, for 5 samples)
         "zeta": (multi_turn_rl("zeta"), TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=5)),
+        # a group where one sample was served through the gateway (tokens and logprobs) and one
+        # came without (the chat template renders it; the current policy is its behaviour)
+        "eta": (mixed_logprob_rl("eta"), TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=2)),
     }
+
+
+def mixed_logprob_rl(tenant: str) -> list[RLSample]:
+    return [rl(tenant, 0, "3+4?", "7", 1.0, "g", prompt_token_ids=[1, 2, 3, 4, 5], completion_token_ids=[6, 7],
+               behaviour_logprobs=[-0.3, -4.0]),
+            rl(tenant, 1, "3+4?", "eight", 0.0, "g")]
 
 
 def multi_turn_rl(tenant: str) -> list[RLSample]:

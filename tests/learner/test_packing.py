@@ -11,7 +11,7 @@ from clora.learner.batches import ChatEncoder, Sequence, micro_batches, pack_tur
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.trainer import Trainer, TrainingPolicy
 
-from .helpers import rl
+from .helpers import mixed_logprob_rl, rl
 
 
 def _seq(prompt, completion, logprobs=True):
@@ -125,3 +125,23 @@ def test_a_step_reports_the_rows_it_ran(tiny):
         tr.store.register("acme", seed=0)
         result = tr.train_step("acme", samples, policy)
         assert (result.examples, result.rows) == (12, rows)
+
+
+def test_a_sample_without_served_logprobs_is_on_policy_beside_samples_with_them(tiny):
+    """Each sample's surrogate is the same alone or in a batch with the other kind: the one
+    without served logprobs gets the current policy's (ratio 1), never 0 (ratio exp(logprob))."""
+    model, tok = tiny
+    lm = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    store = AdapterStore(lm)
+    store.register("acme", seed=0)
+    tr = Trainer(lm, ChatEncoder(tok, 128), store)
+    store.activate("acme")
+    served, unserved = mixed_logprob_rl("acme")
+    policy = TrainingPolicy(algorithm="rl", learning_rate=1e-2, batch_size=2)
+    with torch.no_grad():
+        both = float(tr._loss([served, unserved], policy, torch.tensor([1.0, -1.0]))[0])
+        alone = [float(tr._loss([s], policy, torch.tensor([a]))[0]) for s, a in ((served, 1.0), (unserved, -1.0))]
+    batch = tr.encoder.rl([served, unserved], torch.tensor([1.0, -1.0]))
+    assert torch.isnan(batch.behaviour_logprobs).any() and not torch.isnan(batch.behaviour_logprobs[batch.loss_mask == 0]).any()
+    assert alone[1] == pytest.approx(1.0)                # ratio 1, advantage -1: the surrogate is 1
+    assert both == pytest.approx(sum(alone) / 2, rel=1e-6)
