@@ -250,7 +250,7 @@ class Learner:
         Returns the verdict (None when the guard is off or nothing is live). A failure here is
         logged and never stops training."""
         p = tenant.policy
-        if not getattr(p, "reward_guard", False) or (live := self.registry.live_version(tenant.id)) is None:
+        if not p.reward_guard or (live := self.registry.live_version(tenant.id)) is None:
             return None
         try:
             tallies = self.buffer.version_rewards(tenant.id)
@@ -269,11 +269,14 @@ class Learner:
             return None
 
     def _roll_back(self, tenant: str, bad, verdict: GuardVerdict) -> None:
-        weights = self.publisher.weights(tenant, verdict.reference)   # unreadable: raises, nothing changed
-        note = {"time": time.time(), "to": verdict.reference, **verdict.summary()}
-        self.registry.mark_rolled_back(tenant, bad.version, note)                     # before it
-        target = self.publisher.rollback(tenant, verdict.reference)                   # shows as rolled back
-        self._restore_weights(tenant, weights)
+        """Restore the reference's weights (checkpointed), make it live, then note it on the bad
+        version. A crash part way leaves a state the next round finishes or accepts: weights
+        restored but the bad version still live -> the guard trips again (restoring is
+        idempotent); live switched but no note -> only the note is lost."""
+        self._restore_weights(tenant, self.publisher.weights(tenant, verdict.reference))  # unreadable: raises
+        target = self.publisher.rollback(tenant, verdict.reference)
+        self.registry.mark_rolled_back(tenant, bad.version,
+                                       {"time": time.time(), "to": verdict.reference, **verdict.summary()})
         self.metrics.reward_rollbacks.labels(tenant).inc()
         st = self.store.peek(tenant)
         self._history(tenant, {"step": st.step, "rollback": bad.version, "version": target.version,

@@ -79,9 +79,10 @@ def test_a_live_version_that_earns_less_than_its_parent_is_rolled_back(platform,
     assert versions()["live"] == live                       # paused: the guard leaves it alone
     assert httpx.post(f"{console}/resume", headers=admin).status_code == 200
 
-    wait_for(lambda: versions()["live"] == parent, 60, interval=0.5, what=f"the guard to roll back to v{parent}")
+    rolled = lambda: next(v for v in versions()["versions"] if v["version"] == live)["rolled_back"]
+    note = wait_for(rolled, 60, interval=0.5, what=f"the guard to roll v{live} back")
     by_version = {v["version"]: v for v in versions()["versions"]}
-    note = by_version[live]["rolled_back"]
+    assert versions()["live"] == parent
     assert note["to"] == parent and note["live_reward"] == 0.0 and note["reference_reward"] == 1.0
     assert by_version[parent]["served_reward"] == {"samples": 4, "mean": 1.0}
     wait_for(lambda: served() == f"{TENANT}@v{parent}", 60, interval=0.5,
