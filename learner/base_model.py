@@ -159,9 +159,10 @@ def load_base_model(path: Path | str, *, dtype: torch.dtype = torch.float32, dev
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def _byte_level_tokenizer():
-    """A byte-level BPE tokenizer with no merges: 256 byte tokens + ChatML specials.
-    Any text round-trips; built in milliseconds without downloads."""
+def byte_level_tokenizer(chat_template: str = TOOL_CHAT_TEMPLATE):
+    """A byte-level BPE tokenizer with no merges: ChatML specials (ids 0-2) + 256 byte tokens,
+    with `chat_template`. Any text round-trips; built in milliseconds without downloads. The
+    tiny test models of the learner and of serving both use it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -177,7 +178,7 @@ def _byte_level_tokenizer():
         pad_token="<|endoftext|>", unk_token="<|endoftext|>",
         additional_special_tokens=list(TINY_SPECIALS),
     )
-    tok.chat_template = TOOL_CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -192,7 +193,7 @@ def make_tiny_model(path: Path | str, *, seed: int = 0, hidden_size: int = 64, n
     path = Path(path)
     if _is_model_dir(path):
         return path
-    tok = _byte_level_tokenizer()
+    tok = byte_level_tokenizer()
     vocab = 8 * ((len(tok) + 7) // 8)
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,

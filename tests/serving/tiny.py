@@ -19,26 +19,13 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from clora.learner.base_model import byte_level_tokenizer
 
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", unk_token="<|endoftext|>", additional_special_tokens=list(SPECIALS),
-    )
-    tok.chat_template = CHATML
-    return tok
+    return byte_level_tokenizer(CHATML)
 
 
 def make_model(path: Path, seed: int = 0) -> Path:
