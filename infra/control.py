@@ -199,15 +199,19 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
                 "versions": [v.model_dump() | {"served_reward": served(v.version)}
                              for v in registry.adapter_versions(tenant_id)]}
 
-    @api.post("/tenants/{tenant_id}/versions/{version}/promote", dependencies=[Depends(admin)])
-    def promote(tenant_id: str, version: int):
-        tenant_or_404(tenant_id)
+    def make_live(tenant_id: str, version: int, action: str) -> dict:
+        """Set the live version (404 naming `version` when it is not recorded) and announce it."""
         try:
             registry.set_live_version(tenant_id, version)
         except RegistryError as e:
             raise ControlError(404, "version_not_found", str(e), "version") from e
-        announce(tenant_id, "promoted", version)
+        announce(tenant_id, action, version)
         return {"live": version}
+
+    @api.post("/tenants/{tenant_id}/versions/{version}/promote", dependencies=[Depends(admin)])
+    def promote(tenant_id: str, version: int):
+        tenant_or_404(tenant_id)
+        return make_live(tenant_id, version, "promoted")
 
     @api.post("/tenants/{tenant_id}/rollback", dependencies=[Depends(admin)])
     def rollback(tenant_id: str, body: Rollback):
@@ -219,12 +223,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
             if parent is None:
                 raise ControlError(409, "nothing_to_roll_back", "the live version has no parent", "version")
             target = parent
-        try:
-            registry.set_live_version(tenant_id, target)
-        except RegistryError as e:
-            raise ControlError(404, "version_not_found", str(e), "version") from e
-        announce(tenant_id, "rolled_back", target)
-        return {"live": target}
+        return make_live(tenant_id, target, "rolled_back")
 
     # --- data -----------------------------------------------------------------------------
 
