@@ -46,7 +46,7 @@ function svg(tag, attrs) {
 }
 
 // series: [{name, color, points: [[x, y], ...]}]
-function lineChart(series, { width = 420, height = 160, title = "" } = {}) {
+function lineChart(series, { width = 420, height = 160, title = "", xLabel = "step ", dots = false } = {}) {
   const pad = 28;
   const root = svg("svg", { width, height, class: "chart", role: "img", "aria-label": title });
   const pts = series.flatMap(s => s.points).filter(p => p[1] !== null && p[1] !== undefined);
@@ -65,14 +65,15 @@ function lineChart(series, { width = 420, height = 160, title = "" } = {}) {
   root.append(Object.assign(svg("text", { x: 2, y: sy(y1) + 4 }), { textContent: fmtNum(y1, 2) }));
   root.append(Object.assign(svg("text", { x: 2, y: sy(y0) }), { textContent: fmtNum(y0, 2) }));
   if (height > 60) {  // x range (step numbers) under the axis
-    root.append(Object.assign(svg("text", { x: pad, y: height - 4 }), { textContent: "step " + x0 }));
-    root.append(Object.assign(svg("text", { x: width - pad - 40, y: height - 4 }), { textContent: "step " + x1 }));
+    root.append(Object.assign(svg("text", { x: pad, y: height - 4 }), { textContent: xLabel + x0 }));
+    root.append(Object.assign(svg("text", { x: width - pad - 40, y: height - 4 }), { textContent: xLabel + x1 }));
   }
   series.forEach((s, i) => {
     const ok = s.points.filter(p => p[1] !== null && p[1] !== undefined);
     if (!ok.length) return;
     const d = ok.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
     root.append(svg("path", { d, class: "line", stroke: s.color }));
+    if (dots) ok.forEach(p => root.append(svg("circle", { cx: sx(p[0]).toFixed(1), cy: sy(p[1]).toFixed(1), r: 3, fill: s.color, class: "dot" })));
     if (series.length > 1) {
       root.append(Object.assign(svg("text", { x: width - pad - 60, y: 12 + 12 * i, fill: s.color }), { textContent: s.name }));
     }
@@ -149,7 +150,7 @@ async function renderTenant(id, first) {
       el("section", { class: "card" }, el("h2", { id: "tenant-title" }), el("div", { id: "tenant-head" })),
       el("section", { class: "grid" },
         el("div", { class: "card", id: "chart-reward" }), el("div", { class: "card", id: "chart-loss" }),
-        el("div", { class: "card", id: "chart-eval" })),
+        el("div", { class: "card", id: "chart-eval" }), el("div", { class: "card", id: "chart-served" })),
       el("section", { class: "card" }, el("h2", {}, "Adapter versions"), el("div", { id: "versions-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Learning policy"), policyForm(id, t.policy)),
       el("section", { class: "card" }, el("h2", {}, "API keys"), el("div", { id: "keys-slot" }), el("div", { id: "new-key" })),
@@ -168,6 +169,10 @@ async function renderTenant(id, first) {
   document.getElementById("chart-reward").replaceChildren(lineChart([series("reward", "#3fb950")], { title: "reward" }));
   document.getElementById("chart-loss").replaceChildren(lineChart([series("loss", "#f85149")], { title: "training loss" }));
   document.getElementById("chart-eval").replaceChildren(lineChart([series("eval", "#4fb0ff")], { title: "held-out loss (lower is better)" }));
+  // what each version earned while it served (the reward guard compares these)
+  const served = versions.versions.filter(v => v.served_reward).map(v => [v.version, v.served_reward.mean]);
+  document.getElementById("chart-served").replaceChildren(lineChart([{ name: "served reward", color: "#d29922", points: served }],
+    { title: "mean reward each version served", xLabel: "v", dots: true }));
   document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },
     el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "served reward", "feedback window", "created", ""].map(h => el("th", {}, h)))),
     el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },

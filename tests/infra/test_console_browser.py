@@ -126,6 +126,7 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
     page.wait_for_selector("#live-version:has-text('v3')")
     assert page.locator("#chart-reward path.line").count() == 1
     assert page.inner_text("tr[data-version='3'] td.served-reward") == "0.67 (3)"
+    assert page.locator("#chart-served circle.dot").count() == 1   # only v3 served scored answers
     assert page.inner_text("tr[data-version='1'] td.served-reward") == "—"
     assert page.inner_text("tr[data-version='2'] .rolled-back") == "rolled back to v1 by the reward guard"
     assert page.is_checked("#policy-form input[name=reward_guard]")
