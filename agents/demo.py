@@ -364,9 +364,8 @@ def _interrupt(*_) -> None:
 
 def main(minutes: float = 10.0, eval_size: int = 20) -> dict:
     import signal
-
-    signal.signal(signal.SIGTERM, _interrupt)     # SIGTERM stops the platform cleanly, as Ctrl-C does
     import sys
 
+    signal.signal(signal.SIGTERM, _interrupt)     # SIGTERM stops the platform cleanly, as Ctrl-C does
     # a log file gets the tables whole (rich would fit them to 80 columns, cutting every cell)
     return Demo(minutes, eval_size, Console(width=None if sys.stdout.isatty() else 150)).run()

@@ -36,9 +36,10 @@ class TokenBatch:
       loss_mask      [[0, 1, 1], [1, 1, 1]]   # (B, T-1): position t scores input_ids[:, t+1]
     RL batches (`ChatEncoder.rl`) also carry, aligned like loss_mask: `behaviour_logprobs`
     (when served; None when no sample has them, NaN on the target tokens of a sample without
-    them beside samples with them: see `losses.behaviour_or_current`), `advantages` (each target token's sample's advantage) and `weights`
-    (1 / its sample's target tokens; see `losses.clipped_surrogate`). A row may hold several
-    samples (packed turns): `samples` counts them.
+    them beside samples with them: see `losses.behaviour_or_current`), `advantages` (each
+    target token's sample's advantage) and `weights` (1 / its sample's target tokens; see
+    `losses.clipped_surrogate`). A row may hold several samples (packed turns): `samples`
+    counts them.
     """
 
     input_ids: torch.Tensor       # (B, T) int64
