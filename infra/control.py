@@ -102,6 +102,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         return {
             "id": t.id, "name": t.name, "paused": t.policy.paused, "algorithm": t.policy.algorithm,
             "live_version": live, "versions": len(versions),
+            "rollbacks": sum(1 for v in versions if v.rolled_back is not None),   # by the reward guard
             "last_publish": max((v.created_at for v in versions), default=None),
             "buffer_depth": {k: buffers.depth(t.id, k) for k in EXAMPLE_KINDS},
             "heldout_depth": {k: buffers.depth(t.id, k, heldout=True) for k in EXAMPLE_KINDS},

@@ -122,6 +122,8 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
             example_id=f"f{i}:rl", tenant=tenant_id, interaction_id=f"i{i}", feedback_event_id=f"f{i}", time=1.0,
             adapter_version=3, messages=[{"role": "user", "content": "q"}], response={"role": "assistant", "content": "a"},
             reward=reward, group_id=f"g{i}")], now=1.0)
+    page.goto(page.url.split("#")[0] + "#/")
+    assert page.inner_text(f"tr[data-tenant='{tenant_id}'] .rolled-back", timeout=10_000) == "1 rolled back"
     page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
     page.wait_for_selector("#live-version:has-text('v3')")
     assert page.locator("#chart-reward path.line").count() == 1
