@@ -278,9 +278,11 @@ class Learner:
         self.registry.mark_rolled_back(tenant, bad.version,
                                        {"time": time.time(), "to": verdict.reference, **verdict.summary()})
         self.metrics.reward_rollbacks.labels(tenant).inc()
-        st = self.store.peek(tenant)
-        self._history(tenant, {"step": st.step, "rollback": bad.version, "version": target.version,
-                               "reward": verdict.live_reward.mean, "reference_reward": verdict.reference_reward.mean})
+        # own keys: "reward" is a step's batch reward (the console's reward chart) and "version" a
+        # publish (the experiment bench waits for one)
+        self._history(tenant, {"step": self.store.peek(tenant).step, "rolled_back": bad.version,
+                               "live": target.version, "served_reward": verdict.live_reward.mean,
+                               "reference_served_reward": verdict.reference_reward.mean})
         log.warning("reward guard rolled %s back from v%d to v%d: %s", tenant, bad.version, target.version,
                     verdict.reason)
 

@@ -87,5 +87,9 @@ def test_a_live_version_that_earns_less_than_its_parent_is_rolled_back(platform,
     assert by_version[parent]["served_reward"] == {"samples": 4, "mean": 1.0}
     wait_for(lambda: served() == f"{TENANT}@v{parent}", 60, interval=0.5,
              what=f"the gateway to serve v{parent} again")
+    points = httpx.get(f"{console}/metrics", headers=admin).json()["points"]
+    marks = [p for p in points if "rolled_back" in p]
+    assert [(p["rolled_back"], p["live"], p["served_reward"]) for p in marks] == [(live, parent, 0.0)]
+    assert "reward" not in marks[0] and "version" not in marks[0]   # not a step's reward, not a publish
     metrics = httpx.get(f"http://127.0.0.1:{env['CLORA_LEARNER_METRICS_PORT']}/metrics").text
     assert f'clora_learner_reward_rollbacks_total{{tenant="{TENANT}"}} 1.0' in metrics
