@@ -48,7 +48,7 @@ from clora.learner.losses import has_reward_spread
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.peft_io import AdapterFormatError
 from clora.learner.publish import Publisher
-from clora.learner.reward_guard import GuardSettings, GuardVerdict, judge
+from clora.learner.reward_guard import GuardSettings, GuardVerdict, judge, measured
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 from clora.learner.trainer import EXAMPLE_KIND, Trainer, TrainerConfig, TrainingPolicy
@@ -254,8 +254,8 @@ class Learner:
             return None
         try:
             tallies = self.buffer.version_rewards(tenant.id)
-            judged = live in tallies and tallies[live].n >= p.reward_guard_min_samples   # else no need to read
-            versions = {v.version: v for v in self.registry.adapter_versions(tenant.id)} if judged else {}
+            versions = ({v.version: v for v in self.registry.adapter_versions(tenant.id)}   # only read when
+                        if measured(tallies.get(live), p.reward_guard_min_samples) else {})  # judge will need them
             verdict = judge(live, {v: meta.parent_version for v, meta in versions.items()}, tallies,
                             GuardSettings(p.reward_guard_min_samples, p.reward_guard_margin, self.s.reward_guard_z))
             if verdict.rollback and versions[live].rolled_back is not None:   # the guard rolled it back once,

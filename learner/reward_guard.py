@@ -58,6 +58,11 @@ class GuardVerdict:
         return out
 
 
+def measured(tally: RewardTally | None, min_samples: int) -> bool:
+    """Whether a version has served enough scored samples to be judged or compared with."""
+    return tally is not None and tally.n >= min_samples
+
+
 def reference_version(live: int, parents: dict[int, int | None], tallies: dict[int | None, RewardTally],
                       min_samples: int) -> int | None:
     """The newest ancestor of `live` with at least `min_samples` scored samples, or None."""
@@ -65,8 +70,7 @@ def reference_version(live: int, parents: dict[int, int | None], tallies: dict[i
     v = parents.get(live)
     while v is not None and v not in seen:   # lineage is acyclic by construction; don't trust it
         seen.add(v)
-        t = tallies.get(v)
-        if t is not None and t.n >= min_samples:
+        if measured(tallies.get(v), min_samples):
             return v
         v = parents.get(v)
     return None
@@ -77,7 +81,7 @@ def judge(live: int, parents: dict[int, int | None], tallies: dict[int | None, R
     """Whether to roll `live` back (see the module docstring). `parents` maps each recorded
     version to its parent version."""
     mine = tallies.get(live)
-    if mine is None or mine.n < settings.min_samples:
+    if not measured(mine, settings.min_samples):
         return GuardVerdict(live, None, False, f"v{live} has {mine.n if mine else 0} scored samples, "
                                                f"needs {settings.min_samples}", mine)
     ref = reference_version(live, parents, tallies, settings.min_samples)
