@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,8 +45,39 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+_PORTS = random.Random(int.from_bytes(os.urandom(8), "little"))  # not the global one: tests seed that
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a service about to start, picked *below* the kernel's ephemeral range.
+
+    A port from bind(("", 0)) is an ephemeral one, the range every outgoing connection's local
+    port is also drawn from: between the pick and the service's bind, any client connection on
+    the machine can take it (CI saw redis abort on "Address already in use" that way). Below the
+    range only another service can take it. Not the same port twice in one process."""
+    lo, _ = _ephemeral_range()
+    low = 10_000 if lo > 12_000 else 1024
+    for _ in range(500):
+        port = _PORTS.randrange(low, lo)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # no free port below the range: fall back to the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -31,3 +31,19 @@ def test_http_ok_is_true_only_for_a_200():
     closed = free_port()
     assert not http_ok(f"http://127.0.0.1:{closed}/health", timeout=0.5) and not port_open("127.0.0.1", closed)
     assert not http_ok("not a url")
+
+
+def test_free_ports_are_distinct_bindable_and_never_ephemeral():
+    """Ports for services come from below the kernel's ephemeral range, where no client
+    connection's local port can take one between the pick and the service's bind."""
+    import socket
+
+    from clora.infra.supervisor import _ephemeral_range
+
+    lo, hi = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(p < lo for p in ports)
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
