@@ -96,6 +96,145 @@ def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, se
     bgmv_expand_slice(inputs, lora_b_weights, output_tensor, idx, slice_offset, slice_size, add_inputs)
 
 
+# --- one plan per forward step, for PunicaWrapperCPU.add_lora_linear / add_lora_logits ---------
+#
+# vLLM calls add_lora_linear once per LoRA layer (7 a decoder layer: 210 a step for SmolLM2), and
+# each call runs the ops above once per output slice, each finding out again which slot every
+# row uses (a unique or an all-equal test, which waits on the tensor). The plan works that out
+# once per step, when the step's row -> slot indices change, and each call then costs a few
+# matmuls per slice:
+#   one slot, no base rows:  h = x @ A[s].T;  y_slice += scale * h @ B[s].T
+#   few rows (decode):       h = (x @ A_all.T) * mask;  y_slice += scale * h @ B_all
+#                            (A_all, B_all: every slot's A and B side by side, (slots*r, in) and
+#                            (slots*r, out); mask keeps each row's own slot, zero for base rows)
+#   many rows (prefill):     per slot, the rows of that slot, as the grouped ops do
+# The dense form spends slots x the LoRA FLOPs to avoid gathers and per-slot loops: worth it
+# while rows are few (DENSE_MAX_ROWS); prefill-sized batches take the grouped form.
+#
+# r is the rank the loaded adapters use: vLLM pads every adapter to --max-lora-rank with zeros
+# (16 by default, where clora's learner trains rank 8), and the zero half is skipped. A_all,
+# B_all and r are worked out once per version of the weights: vLLM writes a new adapter into a
+# slot in place, which bumps the tensor's write count (`_version`).
+
+DENSE_MAX_ROWS = 64
+
+
+class _Plan:
+    """Which slot each row of one forward step uses. `key` is the indices tensor's identity and
+    write count: vLLM rewrites those indices in place, which bumps the count."""
+
+    def __init__(self, key: tuple, idx: torch.Tensor):
+        self.key, self.rows = key, idx.shape[0]
+        used = torch.unique(idx).tolist()
+        self.has_base = bool(used) and used[0] < 0
+        self.slots = [s for s in used if s >= 0]
+        self.idx = idx.clone()
+        self._groups: dict[int, torch.Tensor] | None = None
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+
+    def groups(self) -> dict[int, torch.Tensor]:
+        if self._groups is None:
+            self._groups = {s: (self.idx == s).nonzero(as_tuple=True)[0] for s in self.slots}
+        return self._groups
+
+    def mask(self, slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """(rows, slots*rank): 1 on the row's own slot's block, 0 elsewhere and on base rows."""
+        m = self._masks.get((slots, rank))
+        if m is None:
+            own = (self.idx.unsqueeze(1) == torch.arange(slots).unsqueeze(0)).to(dtype)
+            m = self._masks[(slots, rank)] = own.repeat_interleave(rank, dim=1)
+        return m
+
+
+class _Packed:
+    """One LoRA slice's stacked weights, A (slots, 1, R, in) and B (slots, 1, out, R), as the
+    plan uses them: the used rank r, and A_all / B_all for the dense form."""
+
+    def __init__(self, key: tuple, a: torch.Tensor, b: torch.Tensor):
+        slots, rank, out = a.shape[0], a.shape[-2], b.shape[-2]
+        self.key = key
+        self.a = a.view(slots, rank, a.shape[-1])
+        self.b = b.view(slots, out, rank)
+        used = (self.a.abs().amax(dim=(0, 2)) > 0).nonzero()
+        self.rank = int(used.max()) + 1 if used.numel() else 0
+        r = self.rank
+        self.a_all = self.a[:, :r].reshape(slots * r, -1)
+        self.b_all = self.b[:, :, :r].permute(0, 2, 1).reshape(slots * r, out)
+
+
+_PACKED: dict[tuple[int, int], _Packed] = {}
+
+
+def _packed(a: torch.Tensor, b: torch.Tensor) -> _Packed:
+    key = (a._version, b._version)
+    hit = _PACKED.get((a.data_ptr(), b.data_ptr()))
+    if hit is None or hit.key != key:
+        hit = _PACKED[(a.data_ptr(), b.data_ptr())] = _Packed(key, a, b)
+    return hit
+
+
+def _plan(wrapper) -> _Plan:
+    indices = wrapper._token_lora_indices
+    key = (indices.data_ptr(), indices._version, wrapper.indices_len[0])
+    plan = getattr(wrapper, "_clora_plan", None)
+    if plan is None or plan.key != key:
+        plan = wrapper._clora_plan = _Plan(key, wrapper.token_lora_indices)
+    return plan
+
+
+def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
+                    add_inputs=True, **kwargs):
+    """`PunicaWrapperCPU.add_lora_linear` with one plan per step: for each slice i,
+    y[:, off_i:off_i+n_i] += scale * (x @ A_i[idx].T) @ B_i[idx].T, nothing for base rows."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y2 = y.view(-1, y.shape[-1])
+    plan = _plan(self)
+    usable = (add_inputs and plan.rows == x2.shape[0] == y2.shape[0] and x2.dtype == y2.dtype
+              and all(a.dtype == b.dtype == x2.dtype and b.shape[-2] == n and a.is_contiguous() and b.is_contiguous()
+                      for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices)))
+    if not usable:
+        return _ORIGINAL["add_lora_linear"](self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
+                                            buffer=buffer, add_inputs=add_inputs, **kwargs)
+    if not plan.slots:
+        return None
+    offset = 0
+    for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
+        out, offset = y2[:, offset: offset + n], offset + n
+        w = _packed(a, b)
+        r = w.rank
+        if r == 0:
+            continue
+        if len(plan.slots) == 1 and not plan.has_base:
+            s = plan.slots[0]
+            out.addmm_(x2 @ w.a[s, :r].T, w.b[s, :, :r].T, alpha=scale)
+        elif plan.rows <= DENSE_MAX_ROWS:
+            h = (x2 @ w.a_all.T).mul_(plan.mask(a.shape[0], r, x2.dtype))
+            out.addmm_(h, w.b_all, alpha=scale)
+        else:
+            for s, rows in plan.groups().items():
+                h = x2.index_select(0, rows) @ w.a[s, :r].T
+                out.index_add_(0, rows, h @ w.b[s, :, :r].T, alpha=scale)
+    return None
+
+
+_ZERO_LOGITS: dict[int, tuple[int, bool]] = {}  # B's data_ptr -> (write count, all zero)
+
+
+def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+    """`PunicaWrapperCPU.add_lora_logits`, skipped while no loaded adapter has an lm_head LoRA.
+    vLLM runs it on every step with LoRA on; its B is (slots, 1, vocab, rank), which the ops
+    gather per row (tens of MB a step for SmolLM2's 49k vocabulary) to add zeros."""
+    hit = _ZERO_LOGITS.get(lora_b_stacked.data_ptr())
+    if hit is None or hit[0] != lora_b_stacked._version:
+        hit = _ZERO_LOGITS[lora_b_stacked.data_ptr()] = (lora_b_stacked._version, not bool(lora_b_stacked.any()))
+    if hit[1]:
+        return None
+    return _ORIGINAL["add_lora_logits"](self, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+
+
+_ORIGINAL: dict[str, object] = {}  # PunicaWrapperCPU's own methods, for the cases above that defer
+
+
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice", "sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
 
 
@@ -114,4 +253,11 @@ def install() -> list[str]:
                 hit = True
         if hit:
             patched.append(name)
+    wrapper = sys.modules.get("vllm.lora.punica_wrapper.punica_cpu")
+    for method in ("add_lora_linear", "add_lora_logits"):
+        cls = getattr(wrapper, "PunicaWrapperCPU", None)
+        if cls is not None and getattr(cls, method).__module__ != __name__:
+            _ORIGINAL[method] = getattr(cls, method)
+            setattr(cls, method, globals()[method])
+            patched.append(f"{wrapper.__name__}.PunicaWrapperCPU.{method}")
     return patched

@@ -39,7 +39,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
             run(module)
             from clora.serving.vllm_cpu_lora import install
 
-            install()
+            print(f"clora: CPU LoRA ops in pid {os.getpid()}:", ", ".join(install()), file=sys.stderr)
 
         spec.loader.exec_module = exec_module
         return spec

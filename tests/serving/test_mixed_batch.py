@@ -8,6 +8,8 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
+from clora.serving.replica import cpu_build
+
 pytestmark = pytest.mark.integration
 
 PROMPTS = ["tell me a story", "what is 2+2?"]
@@ -42,6 +44,10 @@ def test_mixed_batch_equals_each_adapter_alone(serving, tenants, client_for):
         r = httpx.post(replica.url + "/v1/chat/completions", timeout=60, json={
             "model": "base", "messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0})
         assert r.json()["choices"][0]["message"]["content"] == alone[("base", p)]
+    # On a CPU build the outputs above came from clora's LoRA path: the replica's hook patched the
+    # process that runs the model (vLLM spawns it; patching the parent would not reach it).
+    if cpu_build():
+        assert "PunicaWrapperCPU.add_lora_linear" in replica.log_path.read_text(errors="replace")
 
 
 def test_more_tenants_than_slots_reload_on_demand(serving, tenants, client_for):
