@@ -10,6 +10,12 @@ Triggers: `clora.adapters` events (published / promoted / rolled_back), consumed
 `AdapterEventListener`, and a registry poll every `registry_poll_s` for tenants the gateway
 knows (plus a full tenant-list refresh every `tenant_refresh_s`), so a missed event only
 delays a swap by one poll.
+
+A version that fails to load (a missing or broken folder) is retried with a growing wait
+(`LOAD_RETRY_S` doubling up to `LOAD_RETRY_MAX_S`) instead of on every poll: each attempt costs
+the engine a load and may first evict another tenant's idle adapter to make room. An adapter
+event for the tenant retries at once. An unreachable engine is not the adapter's fault: the
+next poll retries it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavaila
 
 log = logging.getLogger(__name__)
 
+LOAD_RETRY_S = 1.0
+LOAD_RETRY_MAX_S = 60.0
+
 
 @dataclass(frozen=True)
 class Swap:
@@ -49,14 +58,17 @@ class Swap:
 
 class HotSwapper:
     def __init__(self, registry: Registry, aliases: AliasTable, engine: EngineManager, *,
-                 poll_s: float = 0.25, refresh_s: float = 5.0, drain_timeout_s: float = 600.0):
-        self.registry, self.aliases, self.engine = registry, aliases, engine
+                 poll_s: float = 0.25, refresh_s: float = 5.0, drain_timeout_s: float = 600.0,
+                 clock=time.monotonic):
+        self.registry, self.aliases, self.engine, self.clock = registry, aliases, engine, clock
         self.poll_s, self.refresh_s, self.drain_timeout_s = poll_s, refresh_s, drain_timeout_s
         self.swaps: list[Swap] = []
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._known: set[str] = set()
         self._retiring: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
+        self._load_failures: dict[AdapterRef, tuple[int, float]] = {}
+        """A version that failed to load -> (failures so far, clock time of the next try)."""
 
     async def live_ref(self, tenant: str) -> AdapterRef | None:
         """The tenant's live adapter (reconciling first if the gateway has not seen the tenant)."""
@@ -76,7 +88,9 @@ class HotSwapper:
         av = self.registry.adapter_version(tenant, version)
         return AdapterRef(tenant, av.version, av.path)
 
-    async def reconcile(self, tenant: str) -> None:
+    async def reconcile(self, tenant: str, *, retry_now: bool = False) -> None:
+        """Swap the tenant's alias to its live version if that changed. `retry_now` (an adapter
+        event) ignores the wait after a failed load."""
         async with self._locks[tenant]:
             started = time.time()
             old = self.aliases.get(tenant)
@@ -88,13 +102,23 @@ class HotSwapper:
             if new == old:
                 return
             if new is not None:
+                failed = self._load_failures.get(new)
+                if failed and not retry_now and self.clock() < failed[1]:
+                    return
                 try:
                     await self.engine.preload(new)
-                except (AdapterLoadError, EngineUnavailable) as e:
-                    # Keep serving the old version; the next poll retries.
+                except AdapterLoadError as e:
+                    n = failed[0] + 1 if failed else 1
+                    wait = min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (n - 1))
+                    self._load_failures[new] = (n, self.clock() + wait)
+                    log.error("hot swap of tenant %s to v%d failed (%d time(s); next try in %.0f s), still "
+                              "serving %s: %s", tenant, new.version, n, wait, old.name if old else "nothing", e)
+                    return
+                except EngineUnavailable as e:  # keep serving the old version; the next poll retries
                     log.error("hot swap of tenant %s to v%d not done, still serving %s: %s",
                               tenant, new.version, old.name if old else "nothing", e)
                     return
+                self._load_failures.pop(new, None)
             self.aliases.switch(tenant, new)
             self.swaps.append(Swap(tenant, old, new, started, time.time()))
             log.info("tenant %s: %s -> %s", tenant, old.name if old else None, new.name if new else None)
@@ -168,4 +192,4 @@ class AdapterEventListener:
         except ValueError as e:
             log.error("ignoring an invalid adapter event (the DLQ is the producer's job): %s", e)
             return
-        asyncio.run_coroutine_threadsafe(self.swapper.reconcile(event.tenant), self.loop)
+        asyncio.run_coroutine_threadsafe(self.swapper.reconcile(event.tenant, retry_now=True), self.loop)

@@ -1,5 +1,5 @@
 """The platform the end-to-end tests share: one `clora up` (every real service, in a child
-process) on a tiny model, started once per session because vLLM takes ~20 s to start."""
+process) on a tiny model, started once for tests/e2e because vLLM takes ~20 s to start."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return tiny.make_model(tmp_path_factory.mktemp("e2e-model") / "model")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after tests/e2e, not left running beside the later tests
 def platform(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("e2e")
     model = tiny_model

@@ -48,18 +48,20 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
     # pause learning so the live version stops moving (a step already running may still publish)
     assert httpx.post(f"{platform['console']}/api/tenants/acme/pause", headers=admin).json()["paused"]
     served = lambda: {m.id: m for m in client.models.list()}["acme"].model_extra.get("root")
-    live = None
-    for _ in range(3):
-        live = versions()["live"]
-        wait_for(lambda: served() == f"acme@v{live}", 60, interval=0.5, what=f"the gateway to serve live acme@v{live}")
-        if versions()["live"] == live:
-            break
+    seen = {}
+
+    def serving_the_live_version() -> bool:  # read together: the live version may move on meanwhile
+        seen["live"] = versions()["live"]
+        return served() == f"acme@v{seen['live']}"
+
+    wait_for(serving_the_live_version, 60, interval=0.5, what="the gateway to serve the live acme version")
+    live = seen["live"]
     folder = Path(next(v["path"] for v in versions()["versions"] if v["version"] == live))
     assert (folder / "adapter_model.safetensors").exists()
 
     # vLLM serving the published folder == transformers + PEFT loading it (same tokens' logprobs)
     ask = [{"role": "user", "content": prompts[0]}]
-    resp = client.chat.completions.create(model="acme", messages=ask, max_tokens=6, temperature=0, logprobs=True,
+    resp = client.chat.completions.create(model=f"acme@v{live}", messages=ask, max_tokens=6, temperature=0, logprobs=True,
                                           extra_body={"return_tokens_as_token_ids": True})
     content = resp.choices[0].logprobs.content
     served_lp = [t.logprob for t in content]

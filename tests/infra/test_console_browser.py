@@ -104,7 +104,7 @@ def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker
     shot(page, "tenant-feedback")
 
 
-def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_id):
+def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_id, request):
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.schemas import RLSample
 
@@ -116,6 +116,8 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
             step=10 * v, examples_seen=64 * v, eval_scores={"heldout": 0.2 * v}, rolled_back=guard))
         registry.append_metrics(tenant_id, {"step": 10 * v, "loss": 2.0 / v, "reward": 0.3 * v, "eval": 0.2 * v})
     registry.set_live_version(tenant_id, 3)
+    # Its versions have no folders: left live, they would keep a later test's gateway retrying them.
+    request.addfinalizer(lambda: registry.set_live_version(tenant_id, None))
     buffer = ReplayBuffer(redis_client)
     for i, reward in enumerate([1.0, 0.0, 1.0]):   # what v3 served earned, as the ingest worker stores it
         buffer.add_examples(tenant_id, f"f{i}", [RLSample(

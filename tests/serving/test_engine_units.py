@@ -90,3 +90,58 @@ def test_no_healthy_replica_is_unavailable(tmp_path):
         await eng.http.aclose()
 
     asyncio.run(run())
+
+
+def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
+    """A broken live version is not reloaded on every poll (each attempt may evict another
+    tenant's idle adapter first); an adapter event retries at once; an unreachable engine is
+    retried on the next poll."""
+    from types import SimpleNamespace
+
+    from clora.serving import hotswap
+    from clora.serving.aliases import AliasTable
+
+    class Registry:
+        def live_version(self, tenant):
+            return 2
+
+        def adapter_version(self, tenant, version):
+            return SimpleNamespace(version=version, path=f"/adapters/{tenant}/v{version}")
+
+    class Engine:
+        def __init__(self):
+            self.tries, self.fail = 0, AdapterLoadError("no such folder")
+
+        async def preload(self, ref):
+            self.tries += 1
+            if self.fail:
+                raise self.fail
+
+    now = [0.0]
+    engine, aliases = Engine(), AliasTable()
+    swapper = hotswap.HotSwapper(Registry(), aliases, engine, clock=lambda: now[0])
+
+    async def polls(n):
+        for _ in range(n):
+            await swapper.reconcile("acme")
+
+    async def run():
+        await polls(5)
+        assert engine.tries == 1                              # failed once, then waits
+        now[0] += hotswap.LOAD_RETRY_S
+        await polls(5)
+        assert engine.tries == 2                              # one retry; the wait doubles
+        now[0] += hotswap.LOAD_RETRY_S
+        await polls(1)
+        assert engine.tries == 2
+        await swapper.reconcile("acme", retry_now=True)       # an adapter event: at once
+        assert engine.tries == 3
+        engine.fail = EngineUnavailable("replica down")
+        now[0] += hotswap.LOAD_RETRY_MAX_S
+        await polls(3)
+        assert engine.tries == 6                              # not the adapter's fault: every poll
+        engine.fail = None
+        await polls(1)
+        assert aliases.get("acme").version == 2 and engine.tries == 7
+
+    asyncio.run(run())
