@@ -65,9 +65,15 @@ class RedisSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=16379, ge=1, le=65535)
-    appendfsync: Literal["always", "everysec", "no"] = "everysec"
-    """AOF fsync policy. `everysec` loses at most ~1 s of writes on a machine crash (not a
-    process crash: the kernel still holds the pages)."""
+    appendfsync: Literal["always", "everysec", "no"] = "always"
+    """AOF fsync policy. `always`: Redis acknowledges a write once it is on disk, so no process
+    or machine crash loses a write it acknowledged. The ingest worker commits its Kafka offsets
+    after Redis acknowledges the buffers' writes, so an acknowledged write that is lost is a lost
+    event. `everysec` is not enough even for a Redis process kill: while a background fsync is
+    still running (a busy disk), Redis postpones writing its AOF buffer for up to 2 s and
+    replies to clients meanwhile. Cost, measured ad hoc here: +0.2 ms per write call (one fsync
+    per event-loop pass); `ReplayBuffer.add_many` of 100 events 33k -> 28k events/s, of 1 event
+    3.1k -> 1.8k/s."""
     start_timeout_s: float = Field(default=15.0, gt=0)
 
 
