@@ -92,17 +92,51 @@ def plain_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Lin
     return decoder, head
 
 
+SHARED_PREFIX_MIN_TOKENS = 16
+"""Shorter common prefixes are run per row: one more forward call costs more than it saves."""
+
+
+def shared_prefix_len(batch: TokenBatch) -> int:
+    """How many leading positions every row of `batch` has in common (same tokens, attended)
+    and no loss reads (a position's hidden state scores the next token): those can run once
+    for the whole batch. 0 when fewer than `SHARED_PREFIX_MIN_TOKENS` or a single row."""
+    ids = batch.input_ids
+    if ids.shape[0] < 2:
+        return 0
+    same = ((ids == ids[:1]).all(0) & batch.attention_mask.bool().all(0)).tolist()
+    common = same.index(False) if False in same else len(same)
+    read = batch.loss_mask.bool().any(0).tolist()
+    first_read = read.index(True) if True in read else len(read)
+    n = min(common, first_read, ids.shape[1] - 1)
+    return n if n >= SHARED_PREFIX_MIN_TOKENS else 0
+
+
 def target_logprobs(model: LoraModel, head: tuple[torch.nn.Module, torch.nn.Linear] | None,
-                    batch: TokenBatch) -> torch.Tensor:
+                    batch: TokenBatch, *, share_prefix: bool = False) -> torch.Tensor:
     """(B, T-1) log p of each next token where `batch.loss_mask` is 1, 0 elsewhere. With a
-    `plain_lm_head` split the head runs on those positions only; without, the full forward."""
+    `plain_lm_head` split the head runs on those positions only; without, the full forward.
+
+    `share_prefix` (only where every row runs the same adapter): the rows' common prompt
+    (`shared_prefix_len`: a system prompt and tool listing, a GRPO group's question) runs once
+    and the rows continue from its keys and values, which the backward pass reaches through
+    as it would through P separate copies. Same result, less arithmetic: a group of 4 episodes
+    of one calc problem shares most of its tokens."""
     if head is None:
         return token_logprobs(model(batch.input_ids, batch.attention_mask), batch.input_ids)
     decoder, lm_head = head
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     use_cache=False).last_hidden_state  # (B, T, H)
+    p = shared_prefix_len(batch) if share_prefix else 0
+    if p:
+        rows, length = batch.input_ids.shape
+        cache = decoder(input_ids=batch.input_ids[:1, :p], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(rows)
+        positions = torch.arange(p, length, device=batch.input_ids.device).expand(rows, -1)
+        hidden = decoder(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask,
+                         position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+    else:
+        hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         use_cache=False).last_hidden_state  # (B, T, H)
     where = batch.loss_mask.bool()  # (B, T-1)
-    logits = lm_head(hidden[:, :-1][where])  # (N, V): only the N positions a loss reads
+    logits = lm_head(hidden[:, :-1][where[:, p:]])  # (N, V): only the N positions a loss reads
     lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.input_ids[:, 1:][where].unsqueeze(-1))
     return torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp.squeeze(-1))
 
@@ -120,7 +154,10 @@ class Trainer:
 
     def _logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """(B, T-1) log-probabilities where the loss reads them (loss_mask 1), 0 elsewhere."""
-        return target_logprobs(self.model, self._head, batch)
+        # One adapter for every row. Not with LoRA dropout in training: a shared prompt would get
+        # one dropout mask for all rows instead of one each.
+        share = not (self.model.training and self.model.spec.dropout > 0)
+        return target_logprobs(self.model, self._head, batch, share_prefix=share)
 
     def _loss(self, examples: Sequence[Example], policy: TrainingPolicy,
               advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:

@@ -136,3 +136,53 @@ def test_tool_calls_encode_as_the_serving_template_renders_them(tmp_path):
     completion = tok.decode(seq.completion_ids)
     assert completion == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*3"}}\n</tool_call><|im_end|>'
     assert "- calculator(expression?: string): math" in tok.decode(seq.prompt_ids)
+
+
+def _grads_and_logprobs(tr: Trainer, batch, share: bool):
+    from clora.learner.trainer import target_logprobs
+
+    slot = tr.store.activate("acme")
+    params = [p for pair in slot.params for p in pair]
+    lp = target_logprobs(tr.model, tr._head, batch, share_prefix=share)
+    grads = torch.autograd.grad((lp * batch.loss_mask).sum(), params)
+    return lp.detach(), grads
+
+
+def test_a_shared_prompt_runs_once_with_the_same_logprobs_and_gradients(tiny):
+    from clora.learner.trainer import shared_prefix_len
+
+    tr = _trainer(tiny)
+    tr.store.register("acme", seed=0)
+    question = "Which colour is a clear sky?"
+    sft_batch = tr.encoder.sft([sft("acme", i, question, ans) for i, ans in enumerate(["blue", "green sky", "no"])])
+    rl_batch = tr.encoder.rl([rl("acme", i, question, ans, reward=float(i), group="g")
+                              for i, ans in enumerate(["blue", "red", "sky blue"])],
+                             torch.tensor([-1.0, 0.0, 1.0]))
+    for batch in (sft_batch, rl_batch):
+        p = shared_prefix_len(batch)
+        first_read = int(batch.loss_mask.bool().any(0).nonzero()[0])
+        assert p >= len(question) and p <= first_read       # the question is shared; no target in it
+        assert torch.equal(batch.input_ids[:, :p], batch.input_ids[:1, :p].expand(3, -1))
+        lp_shared, g_shared = _grads_and_logprobs(tr, batch, share=True)
+        lp_rows, g_rows = _grads_and_logprobs(tr, batch, share=False)
+        assert torch.allclose(lp_shared, lp_rows, atol=1e-5)
+        for a, b in zip(g_shared, g_rows):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefix_len_stops_where_rows_differ_or_a_loss_reads():
+    from clora.learner.batches import TokenBatch
+    from clora.learner.trainer import SHARED_PREFIX_MIN_TOKENS as M
+    from clora.learner.trainer import shared_prefix_len
+
+    def batch(rows, first_target):
+        ids = torch.tensor(rows)
+        loss = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+        loss[:, first_target:] = 1
+        return TokenBatch(ids, torch.ones_like(ids), loss)
+
+    same = list(range(1, M + 11))
+    assert shared_prefix_len(batch([same, same[:M + 3] + [0] * 7], first_target=M + 8)) == M + 3
+    assert shared_prefix_len(batch([same, same], first_target=M + 1)) == M + 1
+    assert shared_prefix_len(batch([same, same[:M - 1] + [0] * 11], first_target=M + 8)) == 0  # too short
+    assert shared_prefix_len(batch([same], first_target=M + 8)) == 0                           # one row
