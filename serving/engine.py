@@ -39,7 +39,13 @@ class EngineUnavailable(RuntimeError):
 
 
 class AdapterLoadError(RuntimeError):
-    """An adapter could not be made resident."""
+    """An adapter could not be made resident. `transient`: no slot came free in time, or the
+    replica died during the load; not: the replica refused this adapter (a missing or broken
+    folder), which retrying at once will not mend."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 @dataclass(frozen=True)
@@ -161,15 +167,16 @@ class EngineManager:
                 except CapacityError as e:
                     if time.monotonic() >= deadline:
                         raise AdapterLoadError(f"no slot for {name} on replica {replica.index} after "
-                                               f"{self.adapter_wait_s} s: {e}") from e
+                                               f"{self.adapter_wait_s} s: {e}", transient=True) from e
                 else:
                     try:
                         await replica.load_adapter(self.http, name, ref.path)
                     except ReplicaError as e:
-                        if not replica.alive():
+                        died = not replica.alive()
+                        if died:
                             self.mark_failed(replica, e)
                         raise AdapterLoadError(f"loading {name} (tenant {ref.tenant} v{ref.version}) "
-                                               f"from {ref.path} failed") from e
+                                               f"from {ref.path} failed", transient=died) from e
                     replica.resident.add(name, ref.path)
                     if pin:
                         replica.resident.pin(name)

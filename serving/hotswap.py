@@ -11,11 +11,11 @@ Triggers: `clora.adapters` events (published / promoted / rolled_back), consumed
 knows (plus a full tenant-list refresh every `tenant_refresh_s`), so a missed event only
 delays a swap by one poll.
 
-A version that fails to load (a missing or broken folder) is retried with a growing wait
+A version the engine refuses (a missing or broken folder) is retried with a growing wait
 (`LOAD_RETRY_S` doubling up to `LOAD_RETRY_MAX_S`) instead of on every poll: each attempt costs
 the engine a load and may first evict another tenant's idle adapter to make room. An adapter
-event for the tenant retries at once. An unreachable engine is not the adapter's fault: the
-next poll retries it.
+event for the tenant retries at once. When the fault is not the adapter's (no slot came free,
+a replica died or none is up), the next poll retries it.
 """
 
 from __future__ import annotations
@@ -107,16 +107,17 @@ class HotSwapper:
                     return
                 try:
                     await self.engine.preload(new)
-                except AdapterLoadError as e:
-                    n = failed[0] + 1 if failed else 1
-                    wait = min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (n - 1))
-                    self._load_failures[new] = (n, self.clock() + wait)
-                    log.error("hot swap of tenant %s to v%d failed (%d time(s); next try in %.0f s), still "
-                              "serving %s: %s", tenant, new.version, n, wait, old.name if old else "nothing", e)
-                    return
-                except EngineUnavailable as e:  # keep serving the old version; the next poll retries
-                    log.error("hot swap of tenant %s to v%d not done, still serving %s: %s",
-                              tenant, new.version, old.name if old else "nothing", e)
+                except (AdapterLoadError, EngineUnavailable) as e:  # keep serving the old version
+                    serving = old.name if old else "nothing"
+                    if isinstance(e, AdapterLoadError) and not e.transient:  # the engine refused it
+                        n = failed[0] + 1 if failed else 1
+                        wait = min(LOAD_RETRY_MAX_S, LOAD_RETRY_S * 2 ** (n - 1))
+                        self._load_failures[new] = (n, self.clock() + wait)
+                        log.error("hot swap of tenant %s to v%d failed (%d time(s); next try in %.0f s), "
+                                  "still serving %s: %s", tenant, new.version, n, wait, serving, e)
+                    else:  # not the adapter's fault: the next poll retries
+                        log.error("hot swap of tenant %s to v%d not done, still serving %s: %s",
+                                  tenant, new.version, serving, e)
                     return
                 self._load_failures.pop(new, None)
             self.aliases.switch(tenant, new)

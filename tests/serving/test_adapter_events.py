@@ -19,9 +19,11 @@ pytestmark = pytest.mark.integration
 class RecordingSwapper:
     def __init__(self):
         self.tenants: list[str] = []
+        self.retry_now: list[bool] = []
 
-    async def reconcile(self, tenant: str) -> None:
+    async def reconcile(self, tenant: str, *, retry_now: bool = False) -> None:
         self.tenants.append(tenant)
+        self.retry_now.append(retry_now)
 
 
 def test_adapter_event_triggers_reconcile(stack, tenant_id):
@@ -48,6 +50,7 @@ def test_adapter_event_triggers_reconcile(stack, tenant_id):
         while swapper.tenants.count(tenant_id) == n and time.monotonic() < deadline:
             time.sleep(0.1)
         assert swapper.tenants.count(tenant_id) > n, "the listener died on an invalid record"
+        assert all(swapper.retry_now)  # an event retries a version that failed to load at once
     finally:
         producer.close()
         listener.stop()

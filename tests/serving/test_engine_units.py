@@ -93,9 +93,9 @@ def test_no_healthy_replica_is_unavailable(tmp_path):
 
 
 def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
-    """A broken live version is not reloaded on every poll (each attempt may evict another
-    tenant's idle adapter first); an adapter event retries at once; an unreachable engine is
-    retried on the next poll."""
+    """A version the engine refuses is not reloaded on every poll (each attempt may evict
+    another tenant's idle adapter first); an adapter event retries at once; faults that are not
+    the adapter's (no replica up, no slot free) are retried on the next poll."""
     from types import SimpleNamespace
 
     from clora.serving import hotswap
@@ -136,12 +136,13 @@ def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
         assert engine.tries == 2
         await swapper.reconcile("acme", retry_now=True)       # an adapter event: at once
         assert engine.tries == 3
-        engine.fail = EngineUnavailable("replica down")
         now[0] += hotswap.LOAD_RETRY_MAX_S
-        await polls(3)
-        assert engine.tries == 6                              # not the adapter's fault: every poll
+        for fault in (EngineUnavailable("replica down"), AdapterLoadError("no slot", transient=True)):
+            engine.fail = fault
+            await polls(3)
+        assert engine.tries == 9                              # not the adapter's fault: every poll
         engine.fail = None
         await polls(1)
-        assert aliases.get("acme").version == 2 and engine.tries == 7
+        assert aliases.get("acme").version == 2 and engine.tries == 10
 
     asyncio.run(run())
