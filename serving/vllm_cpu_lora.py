@@ -17,6 +17,10 @@ What. Same signatures and results, with rows grouped by slot:
 slot are one matmul (`x[rows] @ W[s].T`); a batch that uses one slot is a single matmul. Small
 batches (decode, <= `GATHER_MAX_ROWS` rows) keep the gather, which is cheaper than one matmul
 per slot there, with the -1 rows zeroed.
+
+Above those ops, `PunicaWrapperCPU.add_lora_linear` and `add_lora_logits` are replaced too
+(the second half of this file): they work out a plan once per forward step instead of in each
+op call. What serving runs is both; `benchmarks/bench_cpu_lora.py` compares them with vLLM's.
 """
 
 from __future__ import annotations
