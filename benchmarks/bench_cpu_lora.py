@@ -43,7 +43,7 @@ def _use(variant: str, originals: dict) -> None:
 
     for op in ours.OPS:
         setattr(pc, op, originals[op] if variant == "vllm" else getattr(ours, op))
-    for method in ("add_lora_linear", "add_lora_logits"):
+    for method in ours.PLAN_METHODS:
         impl = getattr(ours, method) if variant == "clora" else originals[method]
         setattr(pc.PunicaWrapperCPU, method, impl)
 
@@ -70,8 +70,7 @@ def main() -> None:
     from bench_serving import build_adapters
 
     originals = {op: getattr(pc, op) for op in ours.OPS}
-    originals.update(add_lora_linear=pc.PunicaWrapperCPU.add_lora_linear,
-                     add_lora_logits=pc.PunicaWrapperCPU.add_lora_logits)
+    originals.update({m: getattr(pc.PunicaWrapperCPU, m) for m in ours.PLAN_METHODS})
     model = prepare_base_model("smollm2", cache_dir=args.model_cache)
     work = Path(tempfile.mkdtemp(prefix="clora-bench-cpu-lora-"))
     try:

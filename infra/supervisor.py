@@ -49,12 +49,12 @@ _PORTS = random.Random(int.from_bytes(os.urandom(8), "little"))  # not the globa
 _GIVEN: set[int] = set()
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections' local ports)."""
     try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -64,7 +64,7 @@ def free_port() -> int:
     port is also drawn from: between the pick and the service's bind, any client connection on
     the machine can take it (CI saw redis abort on "Address already in use" that way). Below the
     range only another service can take it. Not the same port twice in one process."""
-    lo, _ = _ephemeral_range()
+    lo = _ephemeral_low()
     low = 10_000 if lo > 12_000 else 1024
     for _ in range(500):
         port = _PORTS.randrange(low, lo)

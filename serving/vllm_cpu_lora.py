@@ -150,13 +150,22 @@ class _Plan:
         return m
 
 
+def _per_version(cache: dict, tensors: tuple[torch.Tensor, ...], build):
+    """`build()`, redone only after vLLM writes into one of `tensors` (a new adapter in a slot, a
+    slot reset: in place, which bumps the tensor's write count)."""
+    where, version = tuple(t.data_ptr() for t in tensors), tuple(t._version for t in tensors)
+    hit = cache.get(where)
+    if hit is None or hit[0] != version:
+        hit = cache[where] = (version, build())
+    return hit[1]
+
+
 class _Packed:
     """One LoRA slice's stacked weights, A (slots, 1, R, in) and B (slots, 1, out, R), as the
     plan uses them: the used rank r, and A_all / B_all for the dense form."""
 
-    def __init__(self, key: tuple, a: torch.Tensor, b: torch.Tensor):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
         slots, rank, out = a.shape[0], a.shape[-2], b.shape[-2]
-        self.key = key
         self.a = a.view(slots, rank, a.shape[-1])
         self.b = b.view(slots, out, rank)
         used = (self.a.abs().amax(dim=(0, 2)) > 0).nonzero()
@@ -166,15 +175,8 @@ class _Packed:
         self.b_all = self.b[:, :, :r].permute(0, 2, 1).reshape(slots * r, out)
 
 
-_PACKED: dict[tuple[int, int], _Packed] = {}
-
-
-def _packed(a: torch.Tensor, b: torch.Tensor) -> _Packed:
-    key = (a._version, b._version)
-    hit = _PACKED.get((a.data_ptr(), b.data_ptr()))
-    if hit is None or hit.key != key:
-        hit = _PACKED[(a.data_ptr(), b.data_ptr())] = _Packed(key, a, b)
-    return hit
+_PACKED: dict = {}     # (A, B) -> their _Packed
+_ZERO_LOGITS: dict = {}  # lm_head LoRA B -> whether it is all zero
 
 
 def _plan(wrapper) -> _Plan:
@@ -204,7 +206,7 @@ def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_sl
     offset = 0
     for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
         out, offset = y2[:, offset: offset + n], offset + n
-        w = _packed(a, b)
+        w = _per_version(_PACKED, (a, b), lambda: _Packed(a, b))
         r = w.rank
         if r == 0:
             continue
@@ -221,21 +223,17 @@ def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_sl
     return None
 
 
-_ZERO_LOGITS: dict[int, tuple[int, bool]] = {}  # B's data_ptr -> (write count, all zero)
-
-
 def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
     """`PunicaWrapperCPU.add_lora_logits`, skipped while no loaded adapter has an lm_head LoRA.
     vLLM runs it on every step with LoRA on; its B is (slots, 1, vocab, rank), which the ops
     gather per row (tens of MB a step for SmolLM2's 49k vocabulary) to add zeros."""
-    hit = _ZERO_LOGITS.get(lora_b_stacked.data_ptr())
-    if hit is None or hit[0] != lora_b_stacked._version:
-        hit = _ZERO_LOGITS[lora_b_stacked.data_ptr()] = (lora_b_stacked._version, not bool(lora_b_stacked.any()))
-    if hit[1]:
+    if _per_version(_ZERO_LOGITS, (lora_b_stacked,), lambda: not bool(lora_b_stacked.any())):
         return None
     return _ORIGINAL["add_lora_logits"](self, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
 
 
+PLAN_METHODS = ("add_lora_linear", "add_lora_logits")
+"""The `PunicaWrapperCPU` methods `install` replaces with the functions of the same name above."""
 _ORIGINAL: dict[str, object] = {}  # PunicaWrapperCPU's own methods, for the cases above that defer
 
 
@@ -258,7 +256,7 @@ def install() -> list[str]:
         if hit:
             patched.append(name)
     wrapper = sys.modules.get("vllm.lora.punica_wrapper.punica_cpu")
-    for method in ("add_lora_linear", "add_lora_logits"):
+    for method in PLAN_METHODS:
         cls = getattr(wrapper, "PunicaWrapperCPU", None)
         if cls is not None and getattr(cls, method).__module__ != __name__:
             _ORIGINAL[method] = getattr(cls, method)

@@ -38,9 +38,9 @@ def test_free_ports_are_distinct_bindable_and_never_ephemeral():
     connection's local port can take one between the pick and the service's bind."""
     import socket
 
-    from clora.infra.supervisor import _ephemeral_range
+    from clora.infra.supervisor import _ephemeral_low
 
-    lo, hi = _ephemeral_range()
+    lo = _ephemeral_low()
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(p < lo for p in ports)
