@@ -161,8 +161,7 @@ class EngineManager:
                 try:
                     while replica.resident.full():
                         victim = replica.resident.victim()
-                        await replica.unload_adapter(self.http, victim)
-                        replica.resident.remove(victim)
+                        await self._unload(replica, victim)
                         log.info("evicted %s from replica %d (LRU)", victim, replica.index)
                 except CapacityError as e:
                     if time.monotonic() >= deadline:
@@ -208,11 +207,22 @@ class EngineManager:
             async with r.lock:
                 if ref.name in r.resident and r.resident.pins(ref.name) == 0:
                     try:
-                        await r.unload_adapter(self.http, ref.name)
+                        await self._unload(r, ref.name)
                     except ReplicaError as e:
                         log.warning("retiring %s: %s", ref.name, e)
-                        continue
-                    r.resident.remove(ref.name)
+
+    async def _unload(self, replica: Replica, name: str) -> None:
+        """Unload an idle adapter (`replica.lock` held). It leaves the resident set *before* the
+        call: a request arriving meanwhile must not pin a name vLLM is removing (it would get
+        vLLM's 404); it takes the slow path, waits for the lock and loads the name again. Put
+        back when the unload fails."""
+        gone = replica.resident.remove(name)
+        try:
+            await replica.unload_adapter(self.http, name)
+        except BaseException:
+            if gone is not None:
+                replica.resident.restore(gone)
+            raise
 
     def resident_names(self) -> dict[int, list[str]]:
         return {r.index: r.resident.names() for r in self.replicas}

@@ -55,8 +55,12 @@ class ResidentSet:
             raise CapacityError(f"cannot add {name}: {len(self._items)} of {self.capacity} slots resident")
         self._items.setdefault(name, Resident(name, path)).last_used = next(self._clock)
 
-    def remove(self, name: str) -> None:
-        self._items.pop(name, None)
+    def remove(self, name: str) -> Resident | None:
+        """Take `name` out (None if it was not resident); `restore` puts it back."""
+        return self._items.pop(name, None)
+
+    def restore(self, r: Resident) -> None:
+        self._items[r.name] = r
 
     def clear(self) -> None:
         self._items.clear()

@@ -80,6 +80,44 @@ def test_retire_waits_for_in_flight_requests(tmp_path):
     asyncio.run(run())
 
 
+def test_a_request_during_an_unload_reloads_instead_of_pinning_the_leaving_adapter(tmp_path):
+    """While vLLM is unloading a retired version, a request for it by its pinned name must not
+    be sent to that replica as if it were still loaded (vLLM would answer 404): it waits for
+    the unload and loads the adapter again."""
+    async def run():
+        calls: list = []
+        unloading, finish = asyncio.Event(), asyncio.Event()
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            calls.append(request.url.path)
+            if request.url.path == "/v1/unload_lora_adapter":
+                unloading.set()
+                await finish.wait()
+            return httpx.Response(200, text="ok")
+
+        eng = _engine(tmp_path, 4, [])
+        eng.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        old = AdapterRef("a", 1, "/a1")
+        async with eng.lease(old):
+            pass
+        retire = asyncio.create_task(eng.retire(old, drain_timeout_s=30))
+        await asyncio.wait_for(unloading.wait(), 5)
+
+        async def request():
+            async with eng.lease(old) as lease:
+                return lease.model, calls.count("/v1/load_lora_adapter")
+
+        req = asyncio.create_task(request())
+        await asyncio.sleep(0.2)
+        assert not req.done()                       # not served on a name vLLM is removing
+        finish.set()
+        await asyncio.wait_for(retire, 5)
+        assert await asyncio.wait_for(req, 5) == ("a@v1", 2)   # loaded again before it was served
+        await eng.http.aclose()
+
+    asyncio.run(run())
+
+
 def test_no_healthy_replica_is_unavailable(tmp_path):
     async def run():
         eng = _engine(tmp_path, 2, [])
