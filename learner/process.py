@@ -92,6 +92,8 @@ class Learner:
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
         self._rejected: set[str] = set()
         self._dirty: set[str] = set()
+        self._flat_checked: dict[str, tuple[int, int, int]] = {}
+        """Per tenant, the (cursor, waiting, batch size) its batch was last checked for a reward spread at."""
         self._guarded_at = -float("inf")
         self._gate_cache: dict[str, tuple[tuple, dict[str, float]]] = {}
         """Per tenant: (live version, policy's loss settings) and that version's loss on each
@@ -188,6 +190,8 @@ class Learner:
             return trained[0] if trained else None
         views, tenants = self._views()
         self._guard_round(tenants)
+        if self._skip_flat(views, tenants):
+            views, tenants = self._views()
         decision = self.scheduler.pick(views)
         if decision.tenant is None:
             return None
@@ -211,6 +215,8 @@ class Learner:
             raise RuntimeError("tick_fused needs training_mode='fused'")
         views, tenants = self._views()
         self._guard_round(tenants)
+        if self._skip_flat(views, tenants):
+            views, tenants = self._views()
         decision = self.scheduler.pick_group(views, self.fused.max_tenants)
         work, sampled = [], {}
         for tid in decision.tenants:
@@ -303,18 +309,45 @@ class Learner:
         self.store.put(dataclasses.replace(st, buffer=buffer, micro_steps=0, extras=extras))
         self.checkpoint(tenant)
 
+    def _on_policy(self, policy: TrainingPolicy) -> bool:
+        return policy.algorithm == "rl" and self.s.rl_on_policy
+
     def _sample(self, tid: str, policy: TrainingPolicy):
-        """(buffer sample, the examples of the policy's kind) for one step of `tid`."""
+        """(buffer sample, the examples of the policy's kind) for one step of `tid`. On-policy
+        RL takes the oldest `batch_size` examples past the cursor: no random draw, so the same
+        call gives the same batch until the cursor moves (`_skip_flat` relies on that)."""
         kind = EXAMPLE_KIND[policy.algorithm]
         st = self.store.peek(tid)
-        gen = st.generator()
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-        st.save_generator(gen)
-        on_policy = policy.algorithm == "rl" and self.s.rl_on_policy
+        on_policy = self._on_policy(policy)
+        seed = None
+        if not on_policy:
+            gen = st.generator()
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+            st.save_generator(gen)
         fresh = 1.0 if on_policy else policy.fresh_fraction if policy.fresh_fraction is not None else self.s.fresh_fraction
         batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor, seed=seed,
                                    fresh_fraction=fresh, fill=not on_policy)
         return batch, [e for e in batch.examples if e.kind == kind]
+
+    def _skip_flat(self, views: list[TenantView], tenants: dict) -> bool:
+        """Consume every eligible on-policy RL tenant's batch that has no reward spread, before
+        the scheduler picks who trains. Such a batch costs a buffer read, not a step, so it
+        should not wait in the queue behind other tenants' steps: its tenant's next rollouts
+        wait for it (`clora bench experiments` saw such waits of up to 60 s at 8 tenants). A
+        batch is checked once per (cursor, waiting) it was seen at. Returns whether any was
+        consumed (the views are then stale)."""
+        consumed = False
+        for v in views:
+            policy = self.policy(tenants[v.id]) if v.eligible else None
+            if policy is None or not self._on_policy(policy):
+                continue
+            seen = (self.store.peek(v.id).cursor, v.waiting, policy.batch_size)
+            if self._flat_checked.get(v.id) == seen:
+                continue
+            self._flat_checked[v.id] = seen
+            batch, examples = self._sample(v.id, policy)
+            consumed |= bool(examples) and self._flat(v.id, policy, batch, examples)
+        return consumed
 
     def _flat(self, tid: str, policy: TrainingPolicy, batch, examples: list) -> bool:
         """An RL batch in which no group has a reward spread has advantage 0 everywhere: no

@@ -152,6 +152,26 @@ def test_an_rl_batch_without_a_reward_spread_is_consumed_without_a_step(world, t
     assert not torch.equal(lr.store.state("rl").master, weights)
 
 
+def test_a_flat_rl_batch_is_consumed_without_waiting_behind_another_tenants_step(world, tiny_model_dir):
+    """A tenant whose batch has no reward spread needs no step, only a read: it must not wait
+    in the queue while other tenants train (its next rollouts wait on it)."""
+    _, reg, buf = world
+    reg.tenants["acme"].policy.paused = reg.tenants["beta"].policy.paused = True
+    for tid in ("a-spread", "z-flat"):
+        reg.tenants[tid] = Tenant(id=tid, policy=LearningPolicy(algorithm="rl", learning_rate=1e-2, batch_size=4,
+                                                                 min_new_examples=4))
+    for i in range(4):
+        buf.add(rl("a-spread", i, "q?", "ab"[i % 2], float(i % 2), "g"))
+        buf.add(rl("z-flat", i, "q?", "a", 1.0, "g"))
+    lr = _learner(world, tiny_model_dir, [])
+    assert lr.tick() == "a-spread"                 # the scheduler picks a-spread (equal shares, id order) ...
+    assert lr.store.state("z-flat").cursor == 4    # ... and z-flat's flat batch was consumed in the same tick
+    m = lr.metrics.registry
+    assert m.get_sample_value("clora_learner_flat_batches_total", {"tenant": "z-flat"}) == 1
+    assert m.get_sample_value("clora_learner_steps_total", {"tenant": "z-flat", "algorithm": "rl"}) is None
+    assert lr.tick() is None                       # nothing left for either
+
+
 def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(world, tiny_model_dir):
     settings, reg, buf = world
     events = []
