@@ -14,7 +14,9 @@ vLLM lives in the platform's end-to-end tests.
 Group rollouts (GRPO): `run_group(messages, n)` asks for `n` samples of the first turn in
 one request (`n=n`) and continues each sample as its own episode; every request carries
 the group id in `metadata.group_id`. With `n > 1` the gateway names choice `i`'s
-interaction `{response.id}-{i}` (see serving/completions.py), and so does the trace.
+interaction `{response.id}-{i}` (see serving/completions.py), and so does the trace. An
+episode's later turns carry its first turn's interaction id in `metadata.episode_id`, so the
+platform counts an episode's reward once however many turns it took.
 """
 
 from __future__ import annotations
@@ -203,16 +205,20 @@ class _AgentConfig:
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
 
-    def _request(self, messages: list[dict[str, Any]], n: int, group_id: str | None) -> dict[str, Any]:
+    def _request(self, episodes: list[_Episode], messages: list[dict[str, Any]], n: int) -> dict[str, Any]:
         kw: dict[str, Any] = dict(model=self.model, messages=messages, temperature=self.temperature,
                                   max_tokens=self.max_tokens, **self.extra)
         if len(self.tools):
             kw["tools"] = self.tools.schemas()
         if n > 1:
             kw["n"] = n
-        if group_id is not None:
+        ep = episodes[0]
+        ids = {"group_id": ep.group_id,
+               "episode_id": ep.turns[0].interaction_id if n == 1 and ep.turns else None}
+        ids = {k: v for k, v in ids.items() if v is not None}
+        if ids:
             body = dict(kw.get("extra_body") or {})
-            body["metadata"] = {**(body.get("metadata") or {}), "group_id": group_id}
+            body["metadata"] = {**(body.get("metadata") or {}), **ids}
             kw["extra_body"] = body
         return kw
 
@@ -267,7 +273,7 @@ class Agent(_AgentConfig):
 
     def _call(self, episodes: list[_Episode], messages: list[dict[str, Any]], n: int) -> None:
         try:
-            response = self.client.chat.completions.create(**self._request(messages, n, episodes[0].group_id))
+            response = self.client.chat.completions.create(**self._request(episodes, messages, n))
         except Exception as e:
             raise self._fail(episodes[0], e) from e
         self._take(episodes, response)
@@ -295,7 +301,7 @@ class AsyncAgent(_AgentConfig):
 
     async def _call(self, episodes: list[_Episode], messages: list[dict[str, Any]], n: int) -> None:
         try:
-            response = await self.client.chat.completions.create(**self._request(messages, n, episodes[0].group_id))
+            response = await self.client.chat.completions.create(**self._request(episodes, messages, n))
         except Exception as e:
             raise self._fail(episodes[0], e) from e
         self._take(episodes, response)

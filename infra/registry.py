@@ -79,7 +79,8 @@ class LearningPolicy(BaseModel):
     reward_guard: bool = True
     """Roll the live version back to its newest well-measured ancestor when the rewards it earns
     fall measurably below that ancestor's (`clora.learner.reward_guard`): both versions need
-    `reward_guard_min_samples` scored samples, and the drop must exceed `reward_guard_margin`
+    `reward_guard_min_samples` scored samples (episodes, each counted once), and the drop must
+    exceed `reward_guard_margin`
     and the learner's `CLORA_LEARNER_REWARD_GUARD_Z` standard errors."""
     reward_guard_min_samples: int = Field(default=12, ge=2, le=1_000_000)
     reward_guard_margin: float = Field(default=0.1, ge=0, le=1e6)

@@ -12,7 +12,8 @@ Cluster keeps a tenant on one slot and every script below stays single-slot:
     clora:t:{T}:held:{kind}     zset/hash (held:..:ex) the same for held-out examples
     clora:t:{T}:stats           hash  added / evicted / duplicates counters
     clora:t:{T}:rewards         hash  per adapter version that served them ('base' for none):
-                                      '<v>:n', '<v>:sum', '<v>:sq' of the RL samples' rewards
+                                      '<v>:n', '<v>:sum', '<v>:sq' of the RL episodes' rewards
+    clora:t:{T}:episodes        zset  episode id -> time      episodes already tallied (bounded window)
     clora:t:{T}:recent          list  the latest feedback records (console)
 
 Writes are Lua scripts, so "is this event new?" and "store its examples" are one atomic
@@ -49,14 +50,17 @@ def tkey(tenant: str, *parts: str) -> str:
 
 # Stores the examples of several feedback events of one tenant, each at most once.
 # KEYS: seen, stats, recent, then per kind (sft, preference, rl): buf, ex, held, held_ex ;
-#       seq (KEYS[16]) ; rewards (KEYS[17]) ; then the parked-feedback hashes that guards g >= 1
-#       refer to (KEYS[17 + g]).
+#       seq (KEYS[16]) ; rewards (KEYS[17]) ; episodes (KEYS[18]) ; then the parked-feedback
+#       hashes that guards g >= 1 refer to (KEYS[18 + g]).
 # ARGV: now, capacity, eviction, dedup_window, n_events, then per event:
 #       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[17 + g]),
 #       recent_json ('' for none), n_examples, then n_examples x
-#       (kind 0..2, id, heldout 0/1, json, tally: '' or '<version>|<reward>' for an RL sample)
+#       (kind 0..2, id, heldout 0/1, json, tally: '' or '<version>|<reward>|<episode>' for an RL
+#       sample, the episode '' when it has none)
 # Each RL sample stored for the first time adds its reward to its serving version's tally (the
-# reward guard reads it): a redelivered event counts once, as it stores once.
+# reward guard reads it): a redelivered event counts once, as it stores once. An episode counts
+# once too: only the first of its samples to arrive is tallied (episodes zset, trimmed to the
+# de-duplication window like `seen`), so a three-turn episode is one observation of its reward.
 # Returns one character per event: '1' stored, '0' already seen (one bulk string: a reply of
 # thousands of integers costs the client more to parse than the script costs to run).
 #
@@ -105,7 +109,7 @@ for e = 1, n_events do
       new_seen[#new_seen + 1] = eid
     end
   else
-    fresh = redis.call('HDEL', KEYS[17 + guard], eid) == 1
+    fresh = redis.call('HDEL', KEYS[18 + guard], eid) == 1
   end
   if fresh then
     if recent ~= '' then recents[#recents + 1] = recent end
@@ -144,11 +148,13 @@ for _, c in ipairs(cands) do
     seq = seq + 1
     added = added + 1
     if c[4] ~= '' then
-      local sep = string.find(c[4], '|', 1, true)
-      local v, r = string.sub(c[4], 1, sep - 1), tonumber(string.sub(c[4], sep + 1))
-      local t = tally[v]
-      if not t then t = {0, 0, 0}; tally[v] = t; tallied[#tallied + 1] = v end
-      t[1], t[2], t[3] = t[1] + 1, t[2] + r, t[3] + r * r
+      local v, r, ep = string.match(c[4], '^([^|]*)|([^|]*)|(.*)$')
+      r = tonumber(r)
+      if ep == '' or redis.call('ZADD', KEYS[18], 'NX', now, ep) == 1 then
+        local t = tally[v]
+        if not t then t = {0, 0, 0}; tally[v] = t; tallied[#tallied + 1] = v end
+        t[1], t[2], t[3] = t[1] + 1, t[2] + r, t[3] + r * r
+      end
     end
     local z, h = zadds[slot], hsets[slot]
     if not z then z, h = {}, {}; zadds[slot], hsets[slot], inserted[slot] = z, h, {} end
@@ -195,8 +201,10 @@ for slot, z in pairs(zadds) do
 end
 if added > 0 then redis.call('SET', KEYS[16], seq) end
 sliced(new_seen, 2, function(i, j) redis.call('ZADD', KEYS[1], unpack(new_seen, i, j)) end)
-local over = redis.call('ZCARD', KEYS[1]) - window
-if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+for _, k in ipairs({KEYS[1], KEYS[18]}) do
+  local over = redis.call('ZCARD', k) - window
+  if over > 0 then redis.call('ZREMRANGEBYRANK', k, 0, over - 1) end
+end
 if #recents > 0 then
   redis.call('LPUSH', KEYS[3], unpack(recents, math.max(1, #recents - %d), #recents))
   redis.call('LTRIM', KEYS[3], 0, %d)
@@ -286,7 +294,8 @@ class SampleBatch:
 
 @dataclass(frozen=True)
 class RewardTally:
-    """The rewards of the RL samples one adapter version served (`ReplayBuffer.version_rewards`)."""
+    """The rewards of the RL episodes one adapter version served (`ReplayBuffer.version_rewards`;
+    a sample that names no episode counts as one)."""
 
     n: int
     total: float
@@ -305,11 +314,12 @@ class RewardTally:
 
 
 def _tally(example) -> str:
-    """The per-example tally argument of `_ADD_EXAMPLES`: '<version>|<reward>' for an RL sample."""
+    """The per-example tally argument of `_ADD_EXAMPLES`: '<version>|<reward>|<episode>' for an
+    RL sample ('' for an episode it does not name)."""
     if example.kind != "rl":
         return ""
     version = "base" if example.adapter_version is None else str(example.adapter_version)
-    return f"{version}|{example.reward!r}"
+    return f"{version}|{example.reward!r}|{example.episode_id or ''}"
 
 
 def holdout_key(example) -> str:
@@ -340,7 +350,7 @@ class ReplayBuffer:
         for kind in EXAMPLE_KINDS:
             keys += [tkey(tenant, "buf", kind), tkey(tenant, "ex", kind),
                      tkey(tenant, "held", kind), tkey(tenant, "held", kind, "ex")]
-        return keys + [tkey(tenant, "seq"), tkey(tenant, "rewards")]   # KEYS[4..17] of _ADD_EXAMPLES
+        return keys + [tkey(tenant, "seq"), tkey(tenant, "rewards"), tkey(tenant, "episodes")]  # KEYS[4..18]
 
     # --- writes (ingest worker); each takes an optional pipeline to batch round trips -----
 
@@ -412,8 +422,9 @@ class ReplayBuffer:
         return {k.decode(): int(v) for k, v in self.r.hgetall(tkey(tenant, "stats")).items()}
 
     def version_rewards(self, tenant: str) -> dict[int | None, RewardTally]:
-        """Per adapter version (None: the base model), the rewards of the RL samples it served
-        that reached the buffer (held-out ones too; evicted ones still count)."""
+        """Per adapter version (None: the base model), the rewards of the RL episodes it served
+        whose samples reached the buffer (held-out ones too; evicted ones still count), an
+        episode counted once, at the version of its first sample to arrive."""
         fields: dict[int | None, dict[str, float]] = {}
         for k, v in self.r.hgetall(tkey(tenant, "rewards")).items():
             version, _, stat = k.decode().rpartition(":")

@@ -36,5 +36,6 @@ def build_examples(ix: InteractionEvent, fb: FeedbackEvent) -> list:
                             response=ix.response, prompt_token_ids=ix.prompt_token_ids,
                             completion_token_ids=ix.completion_token_ids,
                             behaviour_logprobs=ix.completion_logprobs, reward=fb.score,
-                            group_id=ix.group_id or ix.interaction_id, **common))
+                            group_id=ix.group_id or ix.interaction_id,
+                            episode_id=ix.episode_id or ix.interaction_id, **common))
     return out

@@ -117,6 +117,9 @@ class InteractionEvent(_Event):
     """temperature, top_p, max_tokens, ... as requested."""
     group_id: Id | None = None
     """Rollouts of the same prompt share a group id (GRPO advantages are normalised per group)."""
+    episode_id: Id | None = None
+    """The agent episode a later turn continues (`metadata.episode_id`: its first turn's
+    interaction id); None on a first turn, whose interaction id is the episode's."""
     latency_ms: float | None = Field(default=None, ge=0)
 
     _tenant = field_validator("tenant")(validate_tenant_id)
@@ -267,6 +270,9 @@ class RLSample(_Example):
     behaviour_logprobs: list[float] | None = None
     reward: float
     group_id: str
+    episode_id: str | None = None
+    """The episode this turn belongs to; the reward tally counts an episode once (None: the
+    sample counts alone, as samples stored before episodes were recorded do)."""
 
 
 Example = Annotated[SFTExample | PreferencePair | RLSample, Field(discriminator="kind")]

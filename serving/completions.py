@@ -167,8 +167,10 @@ class Recorder:
         sampling = {k: self.body[k] for k in SAMPLING_KEYS if self.body.get(k) is not None}
         ids = self.interaction_ids()
         # the caller's rollout group (`metadata.group_id`, checked by the gateway) spans every
-        # turn of a group's episodes; without one, the n choices of one request form a group
-        group = (self.body.get("metadata") or {}).get("group_id") or (self.interaction_id if len(ids) > 1 else None)
+        # turn of a group's episodes; without one, the n choices of one request form a group.
+        # `metadata.episode_id` (checked too) names the episode a later turn continues
+        metadata = self.body.get("metadata") or {}
+        group = metadata.get("group_id") or (self.interaction_id if len(ids) > 1 else None)
         try:
             messages = self._messages()
             out = []
@@ -185,6 +187,7 @@ class Recorder:
                     messages=messages, tools=self.body.get("tools"), response=response,
                     prompt_token_ids=self.prompt_token_ids, completion_token_ids=ch.token_ids,
                     completion_logprobs=lps, sampling=sampling, group_id=group, latency_ms=latency_ms,
+                    episode_id=metadata.get("episode_id"),
                 ))
             return out
         except ValidationError as e:

@@ -41,8 +41,9 @@ from clora.serving.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-_GROUP_ID = TypeAdapter(Id)
-"""`metadata.group_id`, the rollout group an interaction belongs to: an id as the events carry it."""
+_METADATA_ID = TypeAdapter(Id)
+"""`metadata.group_id` (the rollout group an interaction belongs to) and `metadata.episode_id`
+(the agent episode a later turn continues): ids as the events carry them."""
 
 UPSTREAM_BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 
@@ -106,13 +107,18 @@ class Gateway:
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise errors.bad_request("metadata must be an object", "metadata")
-        group = (metadata or {}).get("group_id")
-        if group is not None:
+        for name in ("group_id", "episode_id"):
+            value = (metadata or {}).get(name)
+            if value is None:
+                continue
             try:
-                _GROUP_ID.validate_python(group, strict=True)
+                _METADATA_ID.validate_python(value, strict=True)
             except ValidationError as e:
-                raise errors.bad_request(f"metadata.group_id: {e.errors()[0]['msg']}, got {group!r}",
-                                         "metadata.group_id") from e
+                raise errors.bad_request(f"metadata.{name}: {e.errors()[0]['msg']}, got {value!r}",
+                                         f"metadata.{name}") from e
+            if name == "episode_id" and (n or 1) > 1:
+                raise errors.bad_request(f"metadata.episode_id: a request with n = {n} starts {n} episodes; it "
+                                         "cannot continue one", "metadata.episode_id")
 
     async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
         """The adapter `model` names for this caller (None: the base model)."""

@@ -35,6 +35,7 @@ def test_episode_calls_calculator_then_final_answer(fake_openai, openai_client):
     assert first["model"] == "acme" and first["max_tokens"] == 64 and "n" not in first and "metadata" not in first
     assert [t["function"]["name"] for t in first["tools"]] == ["calculator", "final_answer"]
     assert second["messages"][2]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert second["metadata"] == {"episode_id": trace.interaction_ids[0]}    # the episode it continues
 
 
 def test_plain_reply_ends_the_episode_without_an_answer_when_a_final_tool_exists(fake_openai, openai_client):
@@ -75,10 +76,12 @@ def test_group_rollouts_share_a_group_id_and_sample_the_first_turn_n_times(fake_
     assert len(traces) == 3 and {t.group_id for t in traces} == {"g-1"}
     first = fake_openai.requests[0]
     assert first["n"] == 3 and first["metadata"] == {"group_id": "g-1"}
-    assert all(r["metadata"] == {"group_id": "g-1"} for r in fake_openai.requests)
     assert len(fake_openai.requests) == 4  # one sampled turn for all, then one continuation each
     rid = fake_openai.response_ids[0]
     assert [t.interaction_ids[0] for t in traces] == [f"{rid}-0", f"{rid}-1", f"{rid}-2"]
+    # each continuation names its episode: the first turn's interaction id
+    assert sorted(r["metadata"]["episode_id"] for r in fake_openai.requests[1:]) == [f"{rid}-{i}" for i in range(3)]
+    assert all(r["metadata"]["group_id"] == "g-1" for r in fake_openai.requests)
     assert all(env.reward(p, t.answer) == 1.0 for t in traces)
     assert len({iid for t in traces for iid in t.interaction_ids}) == 6
 

@@ -98,10 +98,12 @@ def test_rl_samples_are_held_out_by_group(redis_client, tenant_id):
     assert all(held.count(g) == 4 for g in held) and all(train.count(g) == 4 for g in train)
 
 
-def _rl(tenant: str, n: int, reward: float, version: int | None, group: str = "") -> RLSample:
+def _rl(tenant: str, n: int, reward: float, version: int | None, group: str = "",
+        episode: str | None = None) -> RLSample:
     return RLSample(example_id=f"fb{n}:rl", tenant=tenant, interaction_id=f"i{n}", feedback_event_id=f"fb{n}",
                     time=time.time(), messages=[{"role": "user", "content": f"q{n}"}], adapter_version=version,
-                    response={"role": "assistant", "content": f"a{n}"}, reward=reward, group_id=group or f"g{n}")
+                    response={"role": "assistant", "content": f"a{n}"}, reward=reward, group_id=group or f"g{n}",
+                    episode_id=episode)
 
 
 def test_rewards_are_tallied_per_serving_version_once_per_sample(redis_client, tenant_id):
@@ -124,6 +126,25 @@ def test_rewards_are_tallied_per_serving_version_once_per_sample(redis_client, t
         assert t.mean == pytest.approx(statistics.fmean(rs))
         assert t.variance == pytest.approx(statistics.variance(rs))
     assert buf.version_rewards("nobody") == {}
+
+
+def test_an_episodes_turns_count_once_in_the_reward_tally(redis_client, tenant_id):
+    """The reward guard compares versions by reward per episode: a three-turn episode is one
+    observation, not three. Every turn stays a training sample."""
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+
+    def turn(n: int, reward: float, version: int, episode: str | None) -> PendingWrite:
+        return PendingWrite(f"fb{n}", [_rl(tenant_id, n, reward, version, episode=episode)])
+
+    buf.add_many(tenant_id, [turn(1, 1.0, 1, "ep-a"), turn(2, 1.0, 1, "ep-a")], now=time.time())   # one call
+    buf.add_many(tenant_id, [turn(3, 1.0, 2, "ep-a")], now=time.time())     # its last turn, served by v2
+    buf.add_many(tenant_id, [turn(4, 0.0, 1, "ep-b"), turn(5, 0.0, 2, None), turn(6, 0.5, 2, None)],
+                 now=time.time())
+    buf.add_examples(tenant_id, "fb7", [_rl(tenant_id, 7, 1.0, 1, episode="ep-b")], now=time.time())
+    tallies = buf.version_rewards(tenant_id)
+    assert (tallies[1].n, tallies[1].mean) == (2, 0.5)      # ep-a (1.0) and ep-b (0.0), each once
+    assert (tallies[2].n, tallies[2].mean) == (2, 0.25)     # the two samples without an episode; not ep-a
+    assert buf.depth(tenant_id, "rl") == 7
 
 
 def test_sampling_validates_arguments(redis_client, tenant_id):

@@ -77,6 +77,9 @@ def test_correction_equal_to_answer_gives_no_pair():
 def test_score_gives_rl_sample_with_behaviour_logprobs():
     (rl,) = build_examples(_ix(), _fb(score=0.0, source="environment"))
     assert rl.reward == 0.0 and rl.behaviour_logprobs == [-0.1, -0.2] and rl.group_id == "g1"
+    assert rl.episode_id == "i1"          # a first turn (no metadata.episode_id) starts its own episode
+    (later,) = build_examples(_ix(interaction_id="i2", episode_id="i1"), _fb(interaction_id="i2", score=1.0))
+    assert later.episode_id == "i1"
 
 
 def test_comment_only_gives_nothing():

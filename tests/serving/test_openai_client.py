@@ -108,6 +108,17 @@ def test_completions_and_n(serving, tenants, client_for, interactions):
         c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "a"}], max_tokens=3,
                                   metadata={"group_id": "no spaces allowed"})
     assert bad.value.body["param"] == "metadata.group_id"
+    # an agent's later turns name the episode they continue (its first turn's interaction id)
+    first = c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "a"}], max_tokens=3)
+    later = c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "a"}], max_tokens=3,
+                                      metadata={"episode_id": first.id})
+    evs = interactions([first.id, later.id])
+    assert evs[first.id].get("episode_id") is None and evs[later.id]["episode_id"] == first.id
+    for bad_meta, n in (({"episode_id": "no spaces allowed"}, 1), ({"episode_id": first.id}, 2)):
+        with pytest.raises(openai.BadRequestError) as bad:      # n > 1 starts n episodes: it continues none
+            c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "a"}], max_tokens=3,
+                                      n=n, metadata=bad_meta)
+        assert bad.value.body["param"] == "metadata.episode_id"
 
 
 def test_stop_and_base_model(serving, tenants, client_for):
