@@ -155,7 +155,8 @@ def _control(method: str, path: str, body: dict | None = None) -> dict:
 @tenant_app.command("versions")
 def tenant_versions(tenant_id: str, as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
     """List a tenant's adapter versions: lineage, held-out loss, the reward each earned serving
-    (mean and scored samples), and the reward guard's rollbacks."""
+    (mean, and how many scored episodes: an agent episode counts once however many turns it
+    took), and the reward guard's rollbacks."""
     data = _control("GET", f"/tenants/{tenant_id}/versions")
     if as_json:
         print(json.dumps(data))
