@@ -54,7 +54,7 @@ from clora.kernels import BackendName, SegmentedBackend, make_backend
 from clora.learner.batches import TokenBatch, micro_batches
 from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan_chunks, stack_blocks
 from clora.learner.fused_slots import FusedSlots
-from clora.learner.losses import behaviour_or_current, clipped_surrogate, dpo_pair_losses, group_advantages
+from clora.learner.losses import behaviour_or_current, clipped_surrogate, dpo_pair_losses, sample_advantages
 from clora.learner.optim import adam_step
 from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
@@ -206,7 +206,7 @@ class FusedTrainer:
         for w, slot in zip(work, slots):
             adv = None
             if w.policy.algorithm == "rl":
-                adv = group_advantages(torch.tensor([s.reward for s in w.examples]), [s.group_id for s in w.examples])
+                adv = sample_advantages(w.examples)
             tenants.append(_Tenant(w, slot, self.store.peek(w.tenant).generator(), adv))
         tenants.sort(key=lambda t: t.slot)
         for i, t in enumerate(tenants):

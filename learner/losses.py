@@ -7,13 +7,14 @@ Conventions: `logprobs` (B, T) are log p(token t | tokens < t) for the target to
 - `dpo_loss`: Rafailov et al. 2023, sequence log-probs summed over completion tokens; the
   reference is the base model with the adapter disabled.
 - `group_advantages` + `policy_gradient_loss`: GRPO-style. Rewards are normalised within
-  each group of rollouts of one prompt; each token's ratio pi/pi_behaviour (behaviour =
+  each group of rollouts of one prompt (each episode counted once); each token's ratio pi/pi_behaviour (behaviour =
   the serving-time logprobs) is clipped PPO-style; per-sample token mean, then the mean over
   samples (a row may hold several samples: an episode's turns, packed).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -53,18 +54,41 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     return dpo_pair_losses(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta).mean()
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e-6) -> torch.Tensor:
-    """(r_i - mean_g) / (std_g + eps) within each group g (population std). A group of one has
-    nothing to compare against: advantage 0. rewards (B,) -> (B,).
-    Example: rewards [1, 0, 0.5, 2], groups [a, a, b, c] -> [1, -1, 0, 0] (approximately)."""
+def group_advantages(rewards: torch.Tensor, group_ids: list[str], episode_ids: list[str] | None = None,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """(r_i - mean_g) / (std_g + eps) within each group g (population std), where the group's
+    mean and std count each episode once: a sample of an episode with k samples in the group
+    weighs 1/k (`episode_ids` None: every sample is its own episode). Each turn of an agent
+    episode is a sample carrying the episode's reward; counted per turn, a group's baseline
+    would lean toward its longer episodes (calc: a right answer takes two turns, a wrong one
+    often one). A group of one sample has nothing to compare against: advantage 0.
+    rewards (B,) -> (B,).
+    Example: rewards [1, 0, 0.5, 2], groups [a, a, b, c] -> [1, -1, 0, 0] (approximately);
+    rewards [1, 1, 0], groups [a, a, a], episodes [e1, e1, e2] -> [1, 1, -1]: mean 0.5 over the
+    two episodes, not 0.67 over the three turns."""
     adv = torch.zeros_like(rewards, dtype=torch.float32)
     for g in dict.fromkeys(group_ids):
-        idx = torch.tensor([i for i, x in enumerate(group_ids) if x == g])
-        if len(idx) < 2:
+        members = [i for i, x in enumerate(group_ids) if x == g]
+        if len(members) < 2:
             continue
+        idx = torch.tensor(members)
         r = rewards[idx].float()
-        adv[idx] = (r - r.mean()) / (r.std(unbiased=False) + eps)
+        if episode_ids is None:
+            w = torch.ones_like(r)
+        else:
+            counts = Counter(episode_ids[i] for i in members)
+            w = torch.tensor([1.0 / counts[episode_ids[i]] for i in members])
+        mean = (w * r).sum() / w.sum()
+        std = ((w * (r - mean) ** 2).sum() / w.sum()).sqrt()
+        adv[idx] = (r - mean) / (std + eps)
     return adv
+
+
+def sample_advantages(samples: Sequence) -> torch.Tensor:
+    """`group_advantages` of RL samples (reward, group id, episode id; a sample that names no
+    episode is its own)."""
+    return group_advantages(torch.tensor([s.reward for s in samples]), [s.group_id for s in samples],
+                            [s.episode_id or s.example_id for s in samples])
 
 
 def has_reward_spread(rewards: Sequence[float], group_ids: Sequence[str]) -> bool:

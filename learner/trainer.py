@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder, TokenBatch, micro_batches
-from clora.learner.losses import (behaviour_or_current, dpo_pair_losses, group_advantages, policy_gradient_loss,
+from clora.learner.losses import (behaviour_or_current, dpo_pair_losses, policy_gradient_loss, sample_advantages,
                                   sample_weights, sequence_logprob, sft_loss, token_logprobs)
 from clora.learner.lora import LoraModel
 from clora.learner.optim import AdamConfig, adam_step
@@ -201,7 +201,7 @@ class Trainer:
         self.model.bank.dropout_generator = gen
         advantages = None
         if policy.algorithm == "rl":
-            advantages = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
+            advantages = sample_advantages(examples)
         self.model.train()
         total, tokens, rows, mb = 0.0, 0, 0, self.cfg.micro_batch_size
         try:
@@ -245,7 +245,7 @@ class Trainer:
         spread), as SFT examples (their NLL)."""
         if policy.algorithm != "rl":
             return list(examples), policy
-        adv = group_advantages(torch.tensor([s.reward for s in examples]), [s.group_id for s in examples])
+        adv = sample_advantages(examples)
         good = [s for s, a in zip(examples, adv) if a > 0] or list(examples)
         return ([SFTExample(example_id=s.example_id, tenant=s.tenant, interaction_id=s.interaction_id,
                             feedback_event_id=s.feedback_event_id, time=s.time, messages=s.messages, target=s.response)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from clora.learner.losses import (dpo_loss, group_advantages, has_reward_spread, policy_gradient_loss,
-                                  sample_weights, sequence_logprob, sft_loss, token_logprobs)
+                                  sample_advantages, sample_weights, sequence_logprob, sft_loss, token_logprobs)
+
+from .helpers import rl
 
 
 def test_token_logprobs_shift_by_one():
@@ -43,6 +45,24 @@ def test_group_advantages_normalise_within_groups():
     # group a: mean .5, std .5 -> [1, -1]; b alone -> 0; c: mean 2, std sqrt(2) -> [0, 1.414, 0, -1.414]
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0, 0.0, math.sqrt(2), 0.0, -math.sqrt(2)]),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_group_advantages_count_each_episode_once():
+    # one right episode of two turns and one wrong episode of one turn: the baseline is 0.5
+    # (two episodes), not 0.67 (three turns), so right and wrong get +1 and -1
+    adv = group_advantages(torch.tensor([1.0, 1.0, 0.0]), ["a", "a", "a"], ["e1", "e1", "e2"])
+    torch.testing.assert_close(adv, torch.tensor([1.0, 1.0, -1.0]), atol=1e-5, rtol=1e-5)
+    per_turn = group_advantages(torch.tensor([1.0, 1.0, 0.0]), ["a", "a", "a"])
+    assert per_turn[0] < 1.0 - 0.2 and per_turn[2] < -1.0 - 0.2      # what counting turns gave
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5, 2.0, 4.0, 2.0, 0.0]), ["a", "a", "b", "c", "c", "c", "c"]
+    torch.testing.assert_close(group_advantages(rewards, groups, [str(i) for i in range(7)]),
+                               group_advantages(rewards, groups))   # one sample per episode: as before
+
+
+def test_sample_advantages_take_episode_ids_and_count_a_sample_without_one_alone():
+    samples = [rl("t", i, "q?", "a", r, "g", episode_id=e) for i, (r, e) in enumerate([(1.0, "e1"), (1.0, "e1"),
+                                                                                        (0.0, None)])]
+    torch.testing.assert_close(sample_advantages(samples), torch.tensor([1.0, 1.0, -1.0]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rewards, groups, spread", [
