@@ -63,7 +63,9 @@ def validate_tenant_id(value: str) -> str:
 # --- chat messages (OpenAI shape) ---------------------------------------------------------
 
 class FunctionCall(_Model):
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(max_length=256)
+    """May be empty in what a model generated (a small model can emit an unnamed call), which is
+    recorded as it was; a correction must name its function (`FeedbackIn`)."""
     arguments: str = Field(max_length=65_536)
     """JSON-encoded arguments, exactly as the OpenAI API carries them."""
 
@@ -164,6 +166,10 @@ class FeedbackIn(_Model):
             raise ValueError("feedback needs at least one of score, correction, comment")
         if self.correction is not None and self.correction.role != "assistant":
             raise ValueError("correction must be an assistant message")
+        for i, call in enumerate(self.correction.tool_calls or [] if self.correction else []):
+            if not call.function.name:
+                raise ValueError(f"correction.tool_calls.{i}.function.name: a correction must name the function "
+                                 "it calls")
         return self
 
 

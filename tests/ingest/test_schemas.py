@@ -49,6 +49,9 @@ def _fb(**kw) -> schemas.FeedbackEvent:
     ({"interaction_id": "has space", "score": 1}, "interaction_id"),
     ({"interaction_id": "i1", "correction": {"role": "user", "content": "x"}}, "assistant"),
     ({"interaction_id": "i1", "score": 1, "extra": 1}, "extra"),
+    ({"interaction_id": "i1", "correction": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "", "arguments": "{}"}}]}},
+     r"correction.tool_calls.0.function.name"),   # a correction teaches: it must name its function
 ])
 def test_bad_feedback_names_the_problem(body, field):
     with pytest.raises(ValidationError, match=field):

@@ -167,3 +167,23 @@ def test_recorder_stream_tool_call_deltas():
     (ev,) = rec.events()
     assert ev.response.tool_calls[0].function.arguments == '{"city": 1}'
     assert ev.response.tool_calls[0].id == "call1" and ev.adapter is None
+
+
+def test_recorder_records_a_tool_call_the_model_left_unnamed():
+    """A small model can emit a tool call with an empty name. The interaction must still be
+    recorded (it is what the model did, and its reward is what RL learns from), and so must
+    the next turn, whose prompt carries that call back (bench: a lost interaction left its
+    feedback parked and the tenant's learner waiting for it)."""
+    body = {"model": "acme", "messages": [{"role": "user", "content": "w"}], "tools": [{"type": "function"}]}
+    rec = Recorder(kind="chat", body=body, tenant="acme", interaction_id="chatcmpl-z", ref=None, client_model="base")
+    rec.chunk({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call1", "function": {"name": "", "arguments": '{"x": 1}'}}]}, "finish_reason": "tool_calls"}]})
+    (ev,) = rec.events()
+    assert ev.response.tool_calls[0].function.name == ""
+    later = {**body, "messages": [*body["messages"], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call1", "type": "function", "function": {"name": "", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call1", "content": "error: unknown tool ''"}]}
+    rec = Recorder(kind="chat", body=later, tenant="acme", interaction_id="chatcmpl-z2", ref=None, client_model="base")
+    rec.chunk({"choices": [{"index": 0, "delta": {"content": "4"}, "finish_reason": "stop"}]})
+    (ev,) = rec.events()
+    assert ev.messages[1].tool_calls[0].function.name == ""
