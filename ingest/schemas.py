@@ -166,7 +166,8 @@ class FeedbackIn(_Model):
             raise ValueError("feedback needs at least one of score, correction, comment")
         if self.correction is not None and self.correction.role != "assistant":
             raise ValueError("correction must be an assistant message")
-        for i, call in enumerate(self.correction.tool_calls or [] if self.correction else []):
+        calls = (self.correction.tool_calls or []) if self.correction is not None else []
+        for i, call in enumerate(calls):
             if not call.function.name:
                 raise ValueError(f"correction.tool_calls.{i}.function.name: a correction must name the function "
                                  "it calls")
