@@ -334,8 +334,8 @@ class Learner:
         the scheduler picks who trains. Such a batch costs a buffer read, not a step, so it
         should not wait in the queue behind other tenants' steps: its tenant's next rollouts
         wait for it (`clora bench experiments` saw such waits of up to 60 s at 8 tenants). A
-        batch is checked once per (cursor, waiting) it was seen at. Returns whether any was
-        consumed (the views are then stale)."""
+        batch is checked once per (cursor, waiting, batch size) it was seen at. Returns whether
+        any was consumed (the views are then stale)."""
         consumed = False
         for v in views:
             policy = self.policy(tenants[v.id]) if v.eligible else None
