@@ -25,7 +25,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from clora.infra.settings import ConsoleSettings, IngestSettings, PlatformSettings, WebhookSettings
+from clora.infra.settings import (HTTP_KEEP_ALIVE_S, ConsoleSettings, IngestSettings, PlatformSettings,
+                                  WebhookSettings)
 
 app = typer.Typer(help="clora: continuous learning for LLM agents", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -205,7 +206,7 @@ def webhook(log_level: str = "INFO"):
     bootstrap, redis_url = _urls()
     os.environ.update(CLORA_KAFKA_BOOTSTRAP=bootstrap, CLORA_REDIS_URL=redis_url)  # for the factory
     uvicorn.run("clora.ingest.webhook:app_from_env", factory=True, host=s.host, port=s.port, workers=s.workers,
-                log_level=log_level.lower(), access_log=False)
+                log_level=log_level.lower(), access_log=False, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
 
 
 @app.command("console")
@@ -220,7 +221,7 @@ def console_service(log_level: str = "INFO"):
     bootstrap, redis_url = _urls()
     token = load_admin_token(platform.data_dir, platform.admin_token)
     uvicorn.run(build(bootstrap, redis_url, token, IngestSettings().group_id), host=s.host, port=s.port,
-                log_level=log_level.lower(), access_log=False)
+                log_level=log_level.lower(), access_log=False, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
 
 
 @app.command("ingest-worker")

@@ -14,6 +14,12 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+HTTP_KEEP_ALIVE_S = 75
+"""How long the platform's HTTP servers (gateway, webhook, console) keep an idle connection
+open. Longer than clients reuse one (httpx and the openai SDK: 5 s), so that a client never
+sends a request on a connection the server is closing at that moment, which fails it."""
+
+
 def _config(prefix: str) -> SettingsConfigDict:
     return SettingsConfigDict(env_prefix=prefix, extra="ignore", validate_default=True)
 

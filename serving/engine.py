@@ -67,7 +67,10 @@ class EngineManager:
         self.live_refs = live_refs
         """Adapters to reload into a restarted replica (the alias table's live versions)."""
         self.adapter_wait_s = adapter_wait_s
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(120, connect=2))
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(120, connect=2),
+                                      limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                                          keepalive_expiry=settings.keep_alive_s / 2))
+        """Drops an idle connection well before the replica would (`EngineSettings.keep_alive_s`)."""
         self._changed = asyncio.Condition()
         self._monitor: asyncio.Task | None = None
         self._wake = asyncio.Event()

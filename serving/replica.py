@@ -87,6 +87,7 @@ class Replica:
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kvcache_space_gib),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.settings.reserved_cpus),
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(self.settings.keep_alive_s),
             "CLORA_VLLM_CPU_LORA_OPS": "1" if ops else "0",
         }
 

@@ -23,6 +23,7 @@ import redis
 import uvicorn
 
 from clora.infra.registry import Registry
+from clora.infra.settings import HTTP_KEEP_ALIVE_S
 from clora.ingest.producer import EventProducer
 from clora.serving.aliases import AliasTable
 from clora.serving.engine import EngineManager
@@ -98,7 +99,8 @@ class ServingService:
             self.gateway = Gateway(gs, registry, engine, swapper, logger,
                                    TenantQuota(gs.tenant_concurrency, gs.tenant_rate_per_s, gs.tenant_burst))
             config = uvicorn.Config(create_app(self.gateway), host=gs.host, port=gs.port, log_level="warning",
-                                    lifespan="off", timeout_graceful_shutdown=5)
+                                    lifespan="off", timeout_graceful_shutdown=5,
+                                    timeout_keep_alive=HTTP_KEEP_ALIVE_S)
             self._server = uvicorn.Server(config)
             serve = asyncio.create_task(self._server.serve())
             while not self._server.started and not serve.done():

@@ -43,6 +43,11 @@ class EngineSettings(BaseSettings):
     """`VLLM_CPU_KVCACHE_SPACE` (CPU backend only)."""
     reserved_cpus: int = Field(default=0, ge=0)
     """`VLLM_CPU_NUM_OF_RESERVED_CPU` (CPU backend only)."""
+    keep_alive_s: int = Field(default=60, ge=2)
+    """How long a replica keeps an idle HTTP connection open (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`).
+    The gateway drops its own idle connections at half of it: a client that reuses a connection
+    the server is closing at the same moment gets a reset. With vLLM's default and httpx's
+    (5 s each) that race failed a request now and then."""
     tool_call_parser: str = "hermes"
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which logprobs vLLM returns (and interaction events carry)."""

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from clora.infra.supervisor import free_port, port_open
+from tests.keepalive import closed_after_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -24,7 +25,7 @@ def test_clora_up_runs_and_stops_cleanly(tmp_path, wait_for):
                                       "CLORA_INGEST_METRICS_PORT")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
     env.update({k: str(v) for k, v in ports.items()}, CLORA_DATA_DIR=str(tmp_path / "data"),
-               CLORA_SERVICES='["webhook", "ingest", "console"]', CLORA_CONSOLE_PORT=str(free_port()))
+               CLORA_SERVICES='["webhook", "ingest", "console"]', CLORA_CONSOLE_PORT=str(console := free_port()))
     clora = [sys.executable, "-m", "clora.infra.cli"]
     up = subprocess.Popen([*clora, "up"], env=env, stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT)
     try:
@@ -40,6 +41,10 @@ def test_clora_up_runs_and_stops_cleanly(tmp_path, wait_for):
         r = httpx.post(f"http://127.0.0.1:{ports['CLORA_WEBHOOK_PORT']}/v1/feedback",
                        headers={"Authorization": f"Bearer {key}"}, json={"interaction_id": "x", "score": 1.0})
         assert r.status_code == 202, r.text
+        # clients reuse an idle connection for up to 5 s (httpx, the openai SDK): the servers
+        # `clora up` runs must keep it open longer, or a request on it can meet the close
+        urls = [f"http://127.0.0.1:{ports['CLORA_WEBHOOK_PORT']}/healthz", f"http://127.0.0.1:{console}/console/"]
+        assert closed_after_idle(urls, 5.5) == []
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 4                   # broker, redis, webhook, ingest worker
         summary = (tmp_path / "up.log").read_text()

@@ -184,3 +184,11 @@ def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
         assert aliases.get("acme").version == 2 and engine.tries == 10
 
     asyncio.run(run())
+
+
+def test_the_gateway_drops_idle_engine_connections_before_the_replica_does(tmp_path):
+    es = EngineSettings(model=str(tmp_path), ports=[1], base_via_zero_adapter=False, log_dir=tmp_path, keep_alive_s=30)
+    eng = EngineManager(es)
+    assert eng.replicas[0].env()["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "30"
+    assert eng.http._transport._pool._keepalive_expiry == 15  # httpx keeps no public accessor
+    asyncio.run(eng.http.aclose())

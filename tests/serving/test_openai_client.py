@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from tests.keepalive import closed_after_idle
+
 pytestmark = pytest.mark.integration
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -223,6 +225,19 @@ def test_concurrency_quota_answers_429(serving, tenants, client_for):
 def test_health_endpoint(serving):
     r = httpx.get(serving.url.removesuffix("/v1") + "/health")
     assert r.status_code == 200 and r.json()["healthy_replicas"] == 1
+
+
+def test_idle_connections_stay_open_longer_than_clients_reuse_them(serving):
+    """The gateway reuses an idle connection to a replica for up to half the replica's keep-alive,
+    and clients reuse theirs to the gateway for up to 5 s (httpx, the openai SDK). Neither server
+    may close such a connection first: a request sent on a connection the server is closing at
+    that moment fails (vLLM's default keep-alive was 5 s, and that race failed a request under
+    load now and then)."""
+    engine = serving.gateway.engine
+    replica = f"http://{engine.settings.host}:{engine.replicas[0].port}/health"
+    gateway = serving.url.removesuffix("/v1") + "/health"
+    idle = max(engine.settings.keep_alive_s / 2, 5) + 0.5
+    assert closed_after_idle([replica, gateway], idle) == []
 
 
 def test_new_tenant_model_serves_the_base_until_its_first_version(serving, registry, client_for):
