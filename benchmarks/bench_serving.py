@@ -139,7 +139,7 @@ def main() -> None:
                             max_cpu_loras=max(args.max_loras, 8) + 2, max_lora_rank=8, max_model_len=1024,
                             max_num_seqs=max(32, args.concurrency), log_dir=work / "logs",
                             cpu_lora_ops=args.cpu_lora_ops)
-        gs = GatewaySettings(port=0, spool_dir=work / "spool", tenant_concurrency=256, tenant_rate_per_s=1000,
+        gs = GatewaySettings(port=0, metrics_port=0, spool_dir=work / "spool", tenant_concurrency=256, tenant_rate_per_s=1000,
                              tenant_burst=1000)
         t0 = time.perf_counter()
         svc = ServingService(es, gs, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url).start()

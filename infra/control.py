@@ -254,6 +254,13 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         tenant_or_404(tenant_id)
         return {"points": registry.metrics_history(tenant_id, max(1, min(n, 2000)))}
 
+    @api.get("/tenants/{tenant_id}/traffic", dependencies=[Depends(admin)])
+    def tenant_traffic(tenant_id: str, minutes: int = 60):
+        """What the gateway served the tenant in each of the last `minutes` minutes, oldest first
+        (`clora.serving.traffic` names the counters)."""
+        tenant_or_404(tenant_id)
+        return {"minutes": registry.traffic(tenant_id, max(1, min(minutes, 24 * 60)))}
+
     @api.get("/dlq", dependencies=[Depends(admin)])
     def dlq(n: int = 100):
         return {"dead_letters": [json.loads(x) for x in registry.r.lrange(DLQ_RECENT_KEY, 0, max(1, min(n, 1000)) - 1)]}

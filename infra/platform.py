@@ -134,6 +134,8 @@ class Platform:
         if "serving" in self.services:
             gw = GatewaySettings()
             console.print(f"  OpenAI API        http://{gw.host}:{gw.port}/v1   (model: your tenant id; key: its API key)")
+            if gw.metrics_port:
+                console.print(f"  serving metrics   http://127.0.0.1:{gw.metrics_port}/metrics")
         con = ConsoleSettings()
         token_file = self.settings.data_dir.resolve() / "admin_token"
         console.print(f"  admin console     http://{con.host}:{con.port}/console/")

@@ -11,6 +11,7 @@ Keys (all under `clora:`):
     clora:tenant:{id}:live             the live version number
     clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
     clora:tenant:{id}:metrics          list of JSON points (step, loss, reward, eval) for the console
+    clora:tenant:{id}:traffic:{minute} hash of the gateway's counters for one minute (TTL 2 days)
 
 API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
 256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
@@ -35,6 +36,8 @@ from clora.ingest.schemas import validate_tenant_id
 PREFIX = "clora:"
 METRICS_HISTORY = 2000
 """Points of metrics history kept per tenant."""
+TRAFFIC_TTL_S = 2 * 86400
+"""How long a minute of a tenant's serving traffic is kept."""
 
 
 class RegistryError(Exception):
@@ -324,6 +327,29 @@ class Registry:
 
     def metrics_history(self, tenant_id: str, n: int = 500) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(self._tkey(tenant_id) + ":metrics", -n, -1)]
+
+    # --- serving traffic (written by the gateway, read by the console) ----------------------
+
+    def add_traffic(self, counts: dict[tuple[str, int], dict[str, float]]) -> None:
+        """Add counters per (tenant, minute since the epoch), atomically: {"requests": 3, ...}."""
+        pipe = self.r.pipeline()
+        for (tenant_id, minute), fields in counts.items():
+            key = f"{self._tkey(tenant_id)}:traffic:{minute}"
+            for name, value in fields.items():
+                pipe.hincrbyfloat(key, name, value)
+            pipe.expire(key, TRAFFIC_TTL_S)
+        pipe.execute()
+
+    def traffic(self, tenant_id: str, minutes: int = 60, now: float | None = None) -> list[dict[str, float]]:
+        """The tenant's counters for each of the last `minutes` minutes, oldest first (zeros where
+        it had no traffic); `minute` is the minute's start (epoch seconds)."""
+        last = int((time.time() if now is None else now) // 60)
+        span = range(last - minutes + 1, last + 1)
+        pipe = self.r.pipeline(transaction=False)
+        for minute in span:
+            pipe.hgetall(f"{self._tkey(tenant_id)}:traffic:{minute}")
+        return [{"minute": minute * 60, **{k.decode(): float(v) for k, v in raw.items()}}
+                for minute, raw in zip(span, pipe.execute())]
 
     @staticmethod
     def _tkey(tenant_id: str) -> str:

@@ -96,6 +96,10 @@ class Message(_Model):
 
 # --- events -------------------------------------------------------------------------------
 
+MAX_MESSAGES = 1000
+"""The most messages one interaction records (the gateway refuses a longer conversation)."""
+
+
 class InteractionEvent(_Event):
     """One completion served by the gateway."""
 
@@ -108,7 +112,7 @@ class InteractionEvent(_Event):
     adapter: str | None = None
     """Served adapter name (`acme@v7`), None for the base model."""
     adapter_version: int | None = Field(default=None, ge=0)
-    messages: list[Message] = Field(min_length=1, max_length=1000)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[dict[str, Any]] | None = None
     response: Message
     prompt_token_ids: list[int] | None = None

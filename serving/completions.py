@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from clora.ingest.schemas import InteractionEvent, Message
+from clora.ingest.schemas import MAX_MESSAGES, InteractionEvent, Message
 from clora.serving.aliases import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,60 @@ def _client_wants(body: dict[str, Any], kind: Kind) -> tuple[bool, bool]:
     """(wants logprobs, wants token ids) as the client asked."""
     lp = bool(body.get("logprobs")) if kind == "chat" else body.get("logprobs") is not None
     return lp, bool(body.get("return_token_ids"))
+
+
+class Unrecordable(ValueError):
+    """A request whose messages its interaction event could not record; `field` names the part."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def recorded_messages(body: dict[str, Any], kind: Kind) -> list[Message]:
+    """The request's messages as its interaction event records them (content parts become their
+    text; tool calls keep the OpenAI keys, without the `index` of stream deltas). Raises
+    `Unrecordable` naming the field of the first message that cannot be recorded: the gateway
+    refuses such a request before serving it, since feedback on it could never join."""
+    if kind == "completion":
+        prompt = body.get("prompt")
+        try:
+            return [_message("prompt", role="user", content=prompt if isinstance(prompt, str) else str(prompt))]
+        except Unrecordable as e:
+            raise Unrecordable("prompt", e.message) from e
+    raw = body.get("messages") or []
+    if len(raw) > MAX_MESSAGES:
+        raise Unrecordable("messages", f"at most {MAX_MESSAGES} messages are recorded, got {len(raw)}")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise Unrecordable(f"messages.{i}", "a message must be an object")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append(_message(f"messages.{i}", role=m.get("role"), content=content, name=m.get("name"),
+                            tool_calls=_openai_keys(m.get("tool_calls")), tool_call_id=m.get("tool_call_id")))
+    return out
+
+
+def _message(field: str, **parts: Any) -> Message:
+    try:
+        return Message(**parts)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise Unrecordable(".".join(str(x) for x in (field, *err["loc"])), err["msg"]) from e
+
+
+def _openai_keys(calls: Any) -> Any:
+    """Each tool call with only the keys of the OpenAI shape (anything else is left to fail validation)."""
+    if not isinstance(calls, list):
+        return calls
+    return [{**_only(tc, ("id", "type")), "function": _only(tc.get("function"), ("name", "arguments"))}
+            if isinstance(tc, dict) else tc for tc in calls]
+
+
+def _only(d: Any, keys: tuple[str, ...]) -> Any:
+    return {k: d[k] for k in keys if k in d} if isinstance(d, dict) else d
 
 
 @dataclass
@@ -148,20 +202,6 @@ class Recorder:
         n = int(self.body.get("n") or 1)
         return [self.interaction_id] if n == 1 else [f"{self.interaction_id}-{i}" for i in range(n)]
 
-    def _messages(self) -> list[Message]:
-        if self.kind == "completion":
-            prompt = self.body.get("prompt")
-            return [Message(role="user", content=prompt if isinstance(prompt, str) else str(prompt))]
-        out = []
-        for m in self.body.get("messages") or []:
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            out.append(Message(role=m.get("role"), content=content if content is not None or not m.get("tool_calls")
-                               else None, name=m.get("name"), tool_calls=m.get("tool_calls"),
-                               tool_call_id=m.get("tool_call_id")))
-        return out
-
     def events(self) -> list[InteractionEvent]:
         latency_ms = (time.monotonic() - self.started) * 1000
         sampling = {k: self.body[k] for k in SAMPLING_KEYS if self.body.get(k) is not None}
@@ -172,7 +212,7 @@ class Recorder:
         metadata = self.body.get("metadata") or {}
         group = metadata.get("group_id") or (self.interaction_id if len(ids) > 1 else None)
         try:
-            messages = self._messages()
+            messages = recorded_messages(self.body, self.kind)
             out = []
             for index, ch in sorted(self.choices.items()):
                 calls = [{"id": tc["id"] or f"call-{self.interaction_id}-{i}", "type": "function",
@@ -190,7 +230,7 @@ class Recorder:
                     episode_id=metadata.get("episode_id"),
                 ))
             return out
-        except ValidationError as e:
+        except (ValidationError, Unrecordable) as e:  # the gateway checked the request: the response failed
             log.error("interaction %s (tenant %s) cannot be recorded as an event: %s", self.interaction_id,
                       self.tenant, e)
             return []

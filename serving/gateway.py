@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -31,13 +32,15 @@ from clora.infra.registry import ApiKeyPrincipal, Registry, RegistryError
 from clora.ingest.schemas import Id
 from clora.serving import errors
 from clora.serving.aliases import AdapterRef, parse_model
-from clora.serving.completions import Kind, Recorder, upstream_body
+from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
 from clora.serving.errors import ApiError
 from clora.serving.hotswap import HotSwapper
 from clora.serving.interactions import InteractionLogger
+from clora.serving.metrics import UNAUTHENTICATED, GatewayMetrics
 from clora.serving.quota import TenantQuota
 from clora.serving.settings import GatewaySettings
+from clora.serving.traffic import CLIENT_LEFT
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class Gateway:
     swapper: HotSwapper
     logger: InteractionLogger
     quota: TenantQuota
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
     # --- admission ----------------------------------------------------------------------
 
@@ -96,6 +100,10 @@ class Gateway:
             raise errors.bad_request("messages must be a non-empty array", "messages")
         if kind == "completion" and body.get("prompt") in (None, "", []):
             raise errors.bad_request("prompt must be given", "prompt")
+        try:
+            recorded_messages(body, kind)
+        except Unrecordable as e:
+            raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
         for param in ("max_tokens", "max_completion_tokens"):
             value = body.get(param)
             if value is not None and (not isinstance(value, int) or not 1 <= value <= self.settings.max_tokens_limit):
@@ -139,7 +147,23 @@ class Gateway:
     # --- completions --------------------------------------------------------------------
 
     async def complete(self, request: Request, kind: Kind, path: str) -> Response:
-        principal = await self.authenticate(request)
+        started, tenant = time.monotonic(), UNAUTHENTICATED
+        try:
+            principal = await self.authenticate(request)
+            tenant = principal.tenant
+            response = await self._complete(principal, request, kind, path, started)
+        except ApiError as e:
+            self.metrics.answered(tenant, kind, e.status, time.monotonic() - started)
+            raise
+        except Exception:
+            self.metrics.answered(tenant, kind, 500, time.monotonic() - started)
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream counts when it ends
+            self.metrics.answered(tenant, kind, response.status_code, time.monotonic() - started)
+        return response
+
+    async def _complete(self, principal: ApiKeyPrincipal, request: Request, kind: Kind, path: str,
+                        started: float) -> Response:
         body = await self.read_json(request)
         self.validate(body, kind)
         ref = await self.resolve(principal, body["model"])
@@ -153,6 +177,9 @@ class Gateway:
                 raise errors.unavailable(str(e)) from e
             except AdapterLoadError as e:
                 raise errors.unavailable(f"adapter {ref.name if ref else '?'} could not be loaded: {e}") from e
+            in_flight = self.metrics.in_flight.labels(principal.tenant)
+            in_flight.inc()
+            stack.callback(in_flight.dec)
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
                            client_model=ref.name if ref else self.engine.settings.base_name)
@@ -161,13 +188,22 @@ class Gateway:
             up = upstream_body(body, kind, lease.model)
             url = lease.replica.url + path
             if body.get("stream"):
-                response = await self._stream(url, up, rec, lease, stack)
+                response = await self._stream(url, up, rec, lease, stack, started)
                 stack = None  # the stream owns the lease and the quota slot now
                 return response
             return await self._whole(url, up, rec, lease)
         finally:
             if stack is not None:
                 await stack.aclose()
+
+    def _record(self, rec: Recorder) -> None:
+        """Log the interaction events of a finished completion; count its tokens."""
+        events = rec.events()
+        for ev in events:
+            self.logger.submit(ev)
+        generated = sum(len(c.token_ids) for c in rec.choices.values())
+        self.metrics.served(rec.tenant, len(rec.prompt_token_ids or ()), generated,
+                            recorded=bool(events) or not rec.choices)
 
     async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease) -> Response:
         try:
@@ -181,12 +217,11 @@ class Gateway:
         if r.status_code != 200:
             return _upstream_error(r.status_code, r.content)
         out = rec.finish(r.json())
-        for ev in rec.events():
-            self.logger.submit(ev)
+        self._record(rec)
         return JSONResponse(out)
 
     async def _stream(self, url: str, up: dict[str, Any], rec: Recorder, lease,
-                      stack: contextlib.AsyncExitStack) -> Response:
+                      stack: contextlib.AsyncExitStack, started: float) -> Response:
         try:
             upstream = await stack.enter_async_context(
                 self.engine.http.stream("POST", url, json=up, timeout=self.settings.upstream_timeout_s))
@@ -199,14 +234,17 @@ class Gateway:
             return _upstream_error(upstream.status_code, content)
 
         async def relay() -> AsyncIterator[bytes]:
-            complete = False
+            complete, status, first = False, CLIENT_LEFT, True
             try:
                 async for line in upstream.aiter_lines():
                     if not line.startswith("data: "):
                         continue
+                    if first:
+                        self.metrics.first_token.observe(time.monotonic() - started)
+                        first = False
                     data = line[6:]
                     if data.strip() == "[DONE]":
-                        complete = True
+                        complete, status = True, 200
                         yield b"data: [DONE]\n\n"
                         continue
                     obj = json.loads(data)
@@ -217,11 +255,12 @@ class Gateway:
             except UPSTREAM_BROKEN as e:
                 self.engine.mark_failed(lease.replica, e)
                 err = errors.unavailable(f"engine replica {lease.replica.index} failed mid-stream: {e}")
+                status = err.status
                 yield f"data: {json.dumps(err.body())}\n\n".encode()
             finally:
                 if complete:
-                    for ev in rec.events():
-                        self.logger.submit(ev)
+                    self._record(rec)
+                self.metrics.answered(rec.tenant, rec.kind, status, time.monotonic() - started, stream=True)
                 await stack.aclose()
 
         return StreamingResponse(relay(), media_type="text/event-stream")

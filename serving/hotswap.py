@@ -36,11 +36,15 @@ from clora.infra.registry import Registry, RegistryError
 from clora.ingest.schemas import TOPIC_ADAPTERS, AdapterEvent
 from clora.serving.aliases import AdapterRef, AliasTable
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
+from clora.serving.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
 LOAD_RETRY_S = 1.0
 LOAD_RETRY_MAX_S = 60.0
+
+
+KEEP_SWAPS = 1000
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,13 @@ class Swap:
 class HotSwapper:
     def __init__(self, registry: Registry, aliases: AliasTable, engine: EngineManager, *,
                  poll_s: float = 0.25, refresh_s: float = 5.0, drain_timeout_s: float = 600.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, metrics: GatewayMetrics | None = None):
         self.registry, self.aliases, self.engine, self.clock = registry, aliases, engine, clock
         self.poll_s, self.refresh_s, self.drain_timeout_s = poll_s, refresh_s, drain_timeout_s
         self.swaps: list[Swap] = []
+        """The latest swaps, up to `KEEP_SWAPS` (tests and benchmarks read them; `metrics` counts
+        them all). A list, trimmed by rebinding: another thread may be iterating over it."""
+        self.metrics = metrics
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._known: set[str] = set()
         self._retiring: set[asyncio.Task] = set()
@@ -121,7 +128,12 @@ class HotSwapper:
                     return
                 self._load_failures.pop(new, None)
             self.aliases.switch(tenant, new)
-            self.swaps.append(Swap(tenant, old, new, started, time.time()))
+            swap = Swap(tenant, old, new, started, time.time())
+            self.swaps.append(swap)
+            if len(self.swaps) > 2 * KEEP_SWAPS:
+                self.swaps = self.swaps[-KEEP_SWAPS:]
+            if self.metrics is not None:
+                self.metrics.swapped(tenant, swap.switched - swap.started)
             log.info("tenant %s: %s -> %s", tenant, old.name if old else None, new.name if new else None)
             if old is not None:
                 task = asyncio.create_task(self.engine.retire(old, self.drain_timeout_s))

@@ -21,6 +21,7 @@ import threading
 
 import redis
 import uvicorn
+from prometheus_client import start_http_server
 
 from clora.infra.registry import Registry
 from clora.infra.settings import HTTP_KEEP_ALIVE_S
@@ -30,9 +31,11 @@ from clora.serving.engine import EngineManager
 from clora.serving.gateway import Gateway, create_app
 from clora.serving.hotswap import AdapterEventListener, HotSwapper
 from clora.serving.interactions import InteractionLogger
+from clora.serving.metrics import GatewayMetrics
 from clora.serving.quota import TenantQuota
 from clora.serving.settings import EngineSettings, GatewaySettings
 from clora.serving.spool import DiskSpool
+from clora.serving.traffic import TrafficRollup
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class ServingService:
         self.listen_adapter_events = listen_adapter_events
         self.gateway: Gateway | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -85,19 +89,24 @@ class ServingService:
         registry = Registry(redis.Redis.from_url(self.redis_url, socket_timeout=5))
         aliases = AliasTable()
         engine = EngineManager(es, live_refs=aliases.refs, adapter_wait_s=gs.adapter_wait_s)
+        rollup = TrafficRollup(registry)
+        metrics = GatewayMetrics(rollup=rollup)
+        metrics.watch(engine)
         swapper = HotSwapper(registry, aliases, engine, poll_s=gs.registry_poll_s, refresh_s=gs.tenant_refresh_s,
-                             drain_timeout_s=gs.drain_timeout_s)
+                             drain_timeout_s=gs.drain_timeout_s, metrics=metrics)
         logger = InteractionLogger(lambda: EventProducer(self.kafka_bootstrap, timeout_s=gs.kafka_timeout_s),
                                    DiskSpool(gs.spool_dir), ack_timeout_s=gs.kafka_timeout_s).start()
-        listener = None
+        listener = exporter = None
         try:
+            exporter = self._export(metrics)
             await engine.start()
             swapper.start()
+            rollup.start()
             if self.listen_adapter_events:
                 listener = AdapterEventListener(self.kafka_bootstrap, swapper, self.loop)
                 listener.start()
             self.gateway = Gateway(gs, registry, engine, swapper, logger,
-                                   TenantQuota(gs.tenant_concurrency, gs.tenant_rate_per_s, gs.tenant_burst))
+                                   TenantQuota(gs.tenant_concurrency, gs.tenant_rate_per_s, gs.tenant_burst), metrics)
             config = uvicorn.Config(create_app(self.gateway), host=gs.host, port=gs.port, log_level="warning",
                                     lifespan="off", timeout_graceful_shutdown=5,
                                     timeout_keep_alive=HTTP_KEEP_ALIVE_S)
@@ -117,11 +126,27 @@ class ServingService:
             raise
         finally:
             self._ready.set()
+            if exporter is not None:
+                exporter.shutdown()
             if listener is not None:
                 await asyncio.to_thread(listener.stop)
             await swapper.stop()
+            await rollup.stop()
             await engine.stop()
             await asyncio.to_thread(logger.stop)
+
+    def _export(self, metrics: GatewayMetrics):
+        """Serve the gateway's metrics on `metrics_port` (on the loopback: they name tenants)."""
+        gs = self.gateway_settings
+        if gs.metrics_port is None:
+            return None
+        try:
+            server, _ = start_http_server(gs.metrics_port, addr="127.0.0.1", registry=metrics.registry)
+        except OSError as e:
+            log.warning("metrics port %s busy (%s); the gateway exports no metrics", gs.metrics_port, e)
+            return None
+        self.metrics_port = server.server_port
+        return server
 
 
 def run_serving(engine: EngineSettings, gateway: GatewaySettings, kafka_bootstrap: str, redis_url: str,

@@ -82,6 +82,8 @@ class GatewaySettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    metrics_port: int | None = Field(default=9403, ge=0, le=65535)
+    """Prometheus metrics on 127.0.0.1 (0: any free port; None: none)."""
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     """Larger request bodies answer 413."""
     max_tokens_limit: int = Field(default=4096, ge=1)

@@ -142,16 +142,17 @@ function showKey(key, label) {
 
 async function renderTenant(id, first) {
   const enc = encodeURIComponent(id);
-  const [t, versions, metrics, feedback, buffers] = await Promise.all([
+  const [t, versions, metrics, feedback, buffers, traffic] = await Promise.all([
     api(`/tenants/${enc}`), api(`/tenants/${enc}/versions`), api(`/tenants/${enc}/metrics`),
-    api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`)]);
+    api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`), api(`/tenants/${enc}/traffic?minutes=60`)]);
   if (first) {
     view().replaceChildren(
       el("p", {}, el("a", { href: "#/" }, "← all tenants")),
       el("section", { class: "card" }, el("h2", { id: "tenant-title" }), el("div", { id: "tenant-head" })),
       el("section", { class: "grid" },
         el("div", { class: "card", id: "chart-reward" }), el("div", { class: "card", id: "chart-loss" }),
-        el("div", { class: "card", id: "chart-eval" }), el("div", { class: "card", id: "chart-served" })),
+        el("div", { class: "card", id: "chart-eval" }), el("div", { class: "card", id: "chart-served" }),
+        el("div", { class: "card", id: "chart-requests" }), el("div", { class: "card", id: "chart-latency" })),
       el("section", { class: "card" }, el("h2", {}, "Adapter versions"), el("div", { id: "versions-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Learning policy"), policyForm(id, t.policy)),
       el("section", { class: "card" }, el("h2", {}, "API keys"), el("div", { id: "keys-slot" }), el("div", { id: "new-key" })),
@@ -174,6 +175,18 @@ async function renderTenant(id, first) {
   const served = versions.versions.filter(v => v.served_reward).map(v => [v.version, v.served_reward.mean]);
   document.getElementById("chart-served").replaceChildren(lineChart([{ name: "served reward", color: "#d29922", points: served }],
     { title: "mean reward each version served", xLabel: "v", dots: true }));
+  // what the gateway served it, minute by minute (x: minutes ago)
+  const now = traffic.minutes.length ? traffic.minutes[traffic.minutes.length - 1].minute : 0;
+  const perMinute = (f) => traffic.minutes.map(m => [(m.minute - now) / 60, f(m)]);
+  const lastHour = traffic.minutes.reduce((n, m) => n + (m.requests ?? 0), 0);
+  document.getElementById("chart-requests").replaceChildren(lineChart([
+    { name: "requests", color: "#4fb0ff", points: perMinute(m => m.requests ?? 0) },
+    { name: "refused", color: "#d29922", points: perMinute(m => m.refused ?? 0) },
+    { name: "errors", color: "#f85149", points: perMinute(m => m.errors ?? 0) }],
+    { title: `requests per minute (last hour: ${lastHour})`, xLabel: "min " }));
+  document.getElementById("chart-latency").replaceChildren(lineChart([
+    { name: "latency", color: "#a371f7", points: perMinute(m => m.ok ? m.latency_s / m.ok : null) }],
+    { title: "mean latency of answered requests (s)", xLabel: "min ", dots: true }));
   document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },
     el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "served reward", "feedback window", "created", ""].map(h => el("th", {}, h)))),
     el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },

@@ -116,6 +116,9 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
             step=10 * v, examples_seen=64 * v, eval_scores={"heldout": 0.2 * v}, rolled_back=guard))
         registry.append_metrics(tenant_id, {"step": 10 * v, "loss": 2.0 / v, "reward": 0.3 * v, "eval": 0.2 * v})
     registry.set_live_version(tenant_id, 3)
+    minute = int(time.time() // 60)
+    registry.add_traffic({(tenant_id, minute - 2): {"requests": 7, "ok": 5, "latency_s": 2.5, "refused": 2},
+                          (tenant_id, minute): {"requests": 3, "ok": 3, "latency_s": 0.6}})
     # Its versions have no folders: left live, they would keep a later test's gateway retrying them.
     request.addfinalizer(lambda: registry.set_live_version(tenant_id, None))
     buffer = ReplayBuffer(redis_client)
@@ -131,6 +134,9 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
     assert page.locator("#chart-reward path.line").count() == 1
     assert page.inner_text("tr[data-version='3'] td.served-reward") == "0.67 (3)"
     assert page.locator("#chart-served circle.dot").count() == 1   # only v3 served scored answers
+    assert page.locator("#chart-requests path.line").count() == 3  # requests, refused, errors
+    assert "last hour: 10" in page.inner_text("#chart-requests")
+    assert page.locator("#chart-latency circle.dot").count() == 2  # the two minutes that answered
     assert page.inner_text("tr[data-version='1'] td.served-reward") == "—"
     assert page.inner_text("tr[data-version='2'] .rolled-back") == "rolled back to v1 by the reward guard"
     assert page.is_checked("#policy-form input[name=reward_guard]")

@@ -19,7 +19,8 @@ ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenan
           ("PATCH", "/api/tenants/x/policy"), ("POST", "/api/tenants/x/pause"), ("POST", "/api/tenants/x/keys"),
           ("DELETE", "/api/tenants/x/keys/k"), ("GET", "/api/tenants/x/versions"),
           ("POST", "/api/tenants/x/rollback"), ("GET", "/api/tenants/x/feedback"), ("GET", "/api/dlq"),
-          ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers")]
+          ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers"),
+          ("GET", "/api/tenants/x/traffic")]
 
 
 def admin(console) -> dict[str, str]:

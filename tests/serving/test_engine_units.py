@@ -10,6 +10,7 @@ import pytest
 
 from clora.serving.aliases import AdapterRef
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
+from clora.serving.metrics import GatewayMetrics
 from clora.serving.settings import EngineSettings
 
 
@@ -157,7 +158,8 @@ def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
 
     now = [0.0]
     engine, aliases = Engine(), AliasTable()
-    swapper = hotswap.HotSwapper(Registry(), aliases, engine, clock=lambda: now[0])
+    metrics = GatewayMetrics()
+    swapper = hotswap.HotSwapper(Registry(), aliases, engine, clock=lambda: now[0], metrics=metrics)
 
     async def polls(n):
         for _ in range(n):
@@ -182,6 +184,7 @@ def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
         engine.fail = None
         await polls(1)
         assert aliases.get("acme").version == 2 and engine.tries == 10
+        assert metrics.registry.get_sample_value("clora_gateway_swaps_total", {"tenant": "acme"}) == 1  # failures not
 
     asyncio.run(run())
 

@@ -4,6 +4,8 @@ completions, model listing, every error case, and the interaction event each com
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import socket
 import threading
 
 import httpx
@@ -84,9 +86,12 @@ def test_tool_calls_pass_through(serving, tenants, client_for, interactions):
     call = choice.message.tool_calls[0]
     r2 = client_for(key).chat.completions.create(model=tenant, max_tokens=4, temperature=0, messages=[
         {"role": "user", "content": "weather in Oslo?"},
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        # `index`: as a client that read the call from a stream may send it back
+        {"role": "assistant", "content": None, "tool_calls": [{**call.model_dump(), "index": 0}]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
     assert r2.choices[0].message.content is not None
+    ev2 = interactions([r2.id])[r2.id]  # recorded, in the OpenAI shape
+    assert ev2["messages"][1]["tool_calls"] == [call.model_dump()] and ev2["messages"][2]["tool_call_id"] == call.id
 
 
 def test_completions_and_n(serving, tenants, client_for, interactions):
@@ -188,6 +193,11 @@ def test_auth_and_validation_errors(serving, tenants, client_for):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=tenant, messages=[], max_tokens=2)
     assert e.value.body["param"] == "messages"
+    # What its interaction event could not record is refused before it is served: feedback on
+    # an interaction that was never recorded would be lost.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tenant, max_tokens=2, messages=[*msgs, {"role": "assistant", "content": None}])
+    assert e.value.body["param"] == "messages.1" and "content or tool_calls" in e.value.body["message"]
     with pytest.raises(openai.APIStatusError) as e:
         c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "x" * 2_000_000}], max_tokens=2)
     assert e.value.status_code == 413 and e.value.code == "request_too_large"
@@ -252,3 +262,63 @@ def test_new_tenant_model_serves_the_base_until_its_first_version(serving, regis
     mine = c.chat.completions.create(model=tid, **ask)
     base = c.chat.completions.create(model="base", **ask)
     assert mine.choices[0].message.content == base.choices[0].message.content
+
+
+def test_gateway_metrics_count_requests_tokens_and_replicas(serving, tenants, client_for, registry):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tenant, key = tenants.create(11)
+    c = client_for(key)
+    r = c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                  temperature=0)
+    chunks = list(c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=tenant, messages=[], max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client_for("clk_nope_bad").chat.completions.create(model=tenant, messages=[{"role": "user", "content": "x"}])
+
+    text = httpx.get(f"http://127.0.0.1:{serving.metrics_port}/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def m(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0)
+
+    assert m("clora_gateway_requests_total", tenant=tenant, kind="chat", status="200") == 2  # the stream too
+    assert m("clora_gateway_requests_total", tenant=tenant, kind="chat", status="400") == 1
+    assert m("clora_gateway_requests_total", tenant="-", kind="chat", status="401") >= 1  # no tenant named
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+    assert m("clora_gateway_completion_tokens_total", tenant=tenant) == 2 * r.usage.completion_tokens  # greedy: same
+    assert m("clora_gateway_prompt_tokens_total", tenant=tenant) == 2 * r.usage.prompt_tokens
+    assert m("clora_gateway_in_flight", tenant=tenant) == 0
+    assert m("clora_gateway_unrecorded_interactions_total", tenant=tenant) == 0
+    assert m("clora_gateway_first_token_seconds_count") >= 1
+    assert m("clora_engine_replica_healthy", replica="0") == 1
+    assert m("clora_engine_resident_adapters", replica="0") >= 1
+    assert m("clora_gateway_swaps_total", tenant=tenant) == 1  # its v1 went live
+    # The console's per-minute counts, through Redis.
+    serving.call(serving.gateway.metrics.rollup.flush())
+    minutes = registry.traffic(tenant, minutes=5)
+    total = {k: sum(mn.get(k, 0) for mn in minutes) for k in ("requests", "ok", "refused", "errors", "completion_tokens")}
+    assert total == {"requests": 3, "ok": 2, "refused": 1, "errors": 0, "completion_tokens": 2 * r.usage.completion_tokens}
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_frees_its_slot(serving, tenants, client_for, wait_for):
+    """A client that gives up while its stream is still being set up (say, its timeout fired while
+    the engine was busy) must not keep its quota slot, its adapter pin or the engine's stream:
+    enough of them would lock its tenant out with 429s for good."""
+    tenant, key = tenants.create(11)
+    body = json.dumps({"model": tenant, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                       "stream": True, "ignore_eos": True}).encode()
+    host, port = serving.gateway_settings.host, serving.port
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    for _ in range(4):
+        with socket.create_connection((host, port)) as s:
+            s.sendall(request)  # and hang up at once
+    engine, quota = serving.gateway.engine, serving.gateway.quota
+    wait_for(lambda: quota.in_flight(tenant) == 0 and sum(r.in_flight for r in engine.replicas) == 0,
+             timeout=60, what="the abandoned streams to free their slots")
+    assert client_for(key).chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2).choices

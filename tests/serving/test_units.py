@@ -9,7 +9,7 @@ from kafka.errors import KafkaTimeoutError
 
 from clora.ingest.schemas import InteractionEvent, Message
 from clora.serving.aliases import AdapterRef, AliasTable, parse_model
-from clora.serving.completions import Recorder, upstream_body
+from clora.serving.completions import Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.errors import ApiError
 from clora.serving.interactions import InteractionLogger
 from clora.serving.quota import TenantQuota
@@ -167,6 +167,37 @@ def test_recorder_stream_tool_call_deltas():
     (ev,) = rec.events()
     assert ev.response.tool_calls[0].function.arguments == '{"city": 1}'
     assert ev.response.tool_calls[0].id == "call1" and ev.adapter is None
+
+
+def test_recorded_messages_keep_the_openai_shape():
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    msgs = recorded_messages({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{**call, "index": 0}]},  # `index`: from a stream delta
+        {"role": "tool", "tool_call_id": "c1", "content": "4"}]}, "chat")
+    assert msgs[0].content == "ab"
+    assert msgs[1].tool_calls[0].model_dump() == call
+    assert msgs[2].tool_call_id == "c1"
+    assert recorded_messages({"prompt": [1, 2]}, "completion")[0].content == "[1, 2]"
+
+
+@pytest.mark.parametrize("body, kind, field", [
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, "chat", "messages.1"),
+    ({"messages": [{"role": "function", "content": "q"}]}, "chat", "messages.0.role"),
+    ({"messages": ["q"]}, "chat", "messages.0"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "", "function": {"name": "f", "arguments": ""}}]}]},
+     "chat", "messages.0.tool_calls.0.id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "chat", "messages.0.tool_calls.0.function"),
+    ({"messages": [{"role": "user", "content": "x" * 200_001}]}, "chat", "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "q"}] * 1001}, "chat", "messages"),
+    ({"prompt": "x" * 200_001}, "completion", "prompt"),
+])
+def test_a_request_whose_messages_cannot_be_recorded_names_the_field(body, kind, field):
+    """The gateway refuses these before serving them: an interaction it served but could not
+    record would take its feedback with it."""
+    with pytest.raises(Unrecordable) as e:
+        recorded_messages(body, kind)
+    assert e.value.field == field
 
 
 def test_recorder_records_a_tool_call_the_model_left_unnamed():

@@ -1,0 +1,89 @@
+"""Prometheus metrics of the gateway: requests by tenant and status, latency, time to the first
+streamed token, tokens, interactions that could not be recorded, hot swaps, and the engine's
+replicas and resident adapters. `GET /metrics` on the gateway serves them.
+
+Metrics live in an injected `CollectorRegistry` (a fresh one by default), so several gateways
+can coexist in one test process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from clora.serving.traffic import TrafficRollup
+
+UNAUTHENTICATED = "-"
+"""The tenant label of requests whose key was not checked or not valid."""
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, rollup: TrafficRollup | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.rollup = rollup
+        """Also counts each tenant's requests and tokens per minute for the console."""
+        self.requests = Counter("clora_gateway_requests", "Completion requests answered, by HTTP status (a stream "
+                                "counts when it ends)", ["tenant", "kind", "status"], registry=r)
+        self.seconds = Histogram("clora_gateway_request_seconds", "Time from a completion request to its last byte",
+                                 ["kind", "stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram("clora_gateway_first_token_seconds", "Time from a streamed request to its "
+                                     "first chunk", buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("clora_gateway_in_flight", "Completions being generated", ["tenant"], registry=r)
+        self.prompt_tokens = Counter("clora_gateway_prompt_tokens", "Prompt tokens of served completions",
+                                     ["tenant"], registry=r)
+        self.completion_tokens = Counter("clora_gateway_completion_tokens", "Tokens generated", ["tenant"],
+                                         registry=r)
+        self.unrecorded = Counter("clora_gateway_unrecorded_interactions", "Served completions whose interaction "
+                                  "event could not be built (their feedback cannot join)", ["tenant"], registry=r)
+        self.swaps = Counter("clora_gateway_swaps", "Alias switches to a tenant's new live version", ["tenant"],
+                             registry=r)
+        self.swap_seconds = Histogram("clora_gateway_swap_seconds", "From noticing a new live version to serving "
+                                      "it (its preload into every replica)", buckets=LATENCY_BUCKETS, registry=r)
+
+    def watch(self, engine) -> None:
+        """Report `engine`'s replicas (health, restarts, resident adapters, requests) on each scrape."""
+        self.registry.register(_EngineCollector(engine))
+
+    def answered(self, tenant: str, kind: str, status: int, seconds: float, *, stream: bool = False) -> None:
+        self.requests.labels(tenant, kind, str(status)).inc()
+        self.seconds.labels(kind, "true" if stream else "false").observe(seconds)
+        if self.rollup is not None and tenant != UNAUTHENTICATED:
+            self.rollup.answered(tenant, status, seconds)
+
+    def served(self, tenant: str, prompt_tokens: int, completion_tokens: int, recorded: bool) -> None:
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.completion_tokens.labels(tenant).inc(completion_tokens)
+        if not recorded:
+            self.unrecorded.labels(tenant).inc()
+        if self.rollup is not None:
+            self.rollup.served(tenant, prompt_tokens, completion_tokens)
+
+    def swapped(self, tenant: str, seconds: float) -> None:
+        self.swaps.labels(tenant).inc()
+        self.swap_seconds.observe(seconds)
+
+
+class _EngineCollector:
+    """Reads the replicas when scraped (from the metrics server's thread: plain reads only)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        families = [
+            (GaugeMetricFamily("clora_engine_replica_healthy", "1 while a vLLM replica takes requests",
+                               labels=["replica"]), lambda r: 1 if r.healthy else 0),
+            (GaugeMetricFamily("clora_engine_replica_restarts", "Restarts of a vLLM replica", labels=["replica"]),
+             lambda r: r.restarts),
+            (GaugeMetricFamily("clora_engine_resident_adapters", "Adapters loaded in a vLLM replica",
+                               labels=["replica"]), lambda r: len(r.resident)),
+            (GaugeMetricFamily("clora_engine_replica_in_flight", "Requests a vLLM replica is serving",
+                               labels=["replica"]), lambda r: r.in_flight),
+        ]
+        for family, value in families:
+            for r in self.engine.replicas:
+                family.add_metric([str(r.index)], value(r))
+            yield family
