@@ -1,5 +1,6 @@
 """The pure parts of `clora bench experiments`: statistics, mode A by prefix, the report's shape."""
 
+import dataclasses
 import json
 import math
 import os
@@ -166,7 +167,7 @@ class _Traffic:
 def _experiment(tmp_path, served_from: int | None) -> tuple[Experiment, _Traffic]:
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         (tmp_path / f).write_text("{}")
-    config = BenchConfig(init_adapter=str(tmp_path), poll_s=0.01, step_timeout_s=0.3)
+    config = BenchConfig(init_adapter=str(tmp_path), poll_s=0.01, step_timeout_s=30)  # a bound a loaded CI never meets
     exp = Experiment(Stack("http://gw", "http://wh", "http://console", "http://metrics", "token"), "fork", 0, config)
     exp.gateway, exp.operator = _Models("fork", served_from), None
     return exp, _Traffic(exp)
@@ -184,6 +185,7 @@ def test_first_step_rolls_out_only_once_the_imported_v1_is_served(tmp_path):
 
 def test_an_import_never_served_stops_the_experiment(tmp_path):
     exp, traffic = _experiment(tmp_path, served_from=None)
+    exp.c = dataclasses.replace(exp.c, step_timeout_s=0.3)
     with pytest.raises(ExperimentError, match="fork: the imported adapter .* was not served as v1"):
         exp._step(traffic)
     assert traffic.live_at_rollout == []
@@ -206,6 +208,7 @@ def test_a_batch_the_learner_skips_for_no_reward_spread_ends_the_train_phase(tmp
     assert exp._train(6) == ("no spread", None, None)
     assert changes == [{"paused": False, "min_new_examples": 6, "batch_size": 6}, {"paused": True}]
     exp._learner_count = lambda family, **labels: 0.0          # nothing happens: the phase times out
+    exp.c = dataclasses.replace(exp.c, step_timeout_s=0.3)
     assert exp._train(6)[0] == "train timeout"
 
 

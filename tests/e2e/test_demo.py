@@ -26,13 +26,13 @@ def test_demo_runs_the_platform_and_reports_every_tenant(tmp_path, tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
     env.update({f"CLORA_{k}": str(free_port()) for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT",
                                                          "INGEST_METRICS_PORT", "CONSOLE_PORT", "GATEWAY_PORT",
-                                                         "LEARNER_METRICS_PORT")})
+                                                         "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT")})
     env.update(CLORA_DATA_DIR=str(tmp_path / "data"), CLORA_ENGINE_MODEL=str(model),
                CLORA_LEARNER_BASE_MODEL=str(model), CLORA_ENGINE_PORTS=json.dumps([free_port()]),
                CLORA_ENGINE_MAX_MODEL_LEN="1024", CLORA_LEARNER_RANK="4", CLORA_LEARNER_ALPHA="8")
     budget_min = 2.5
     run = subprocess.run([sys.executable, "-m", "clora.infra.cli", "demo", "--minutes", str(budget_min),
-                          "--eval-size", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                          "--eval-size", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "held-out score, base model vs final adapter" in run.stdout
 

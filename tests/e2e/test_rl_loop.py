@@ -68,7 +68,7 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
                           "reward_guard": False})   # each step must serve a newer version than the last
     assert r.status_code == 200, r.text
 
-    client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=0, timeout=120)
+    client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=2, timeout=120)
     agent = Agent(client, TENANT, max_turns=1, temperature=1.0, max_tokens=8)
     traffic = TenantTraffic(TENANT, agent, LettersEnv(), FeedbackClient(platform["webhook"], key),
                             group_size=group, prompts_per_step=prompts, concurrency=prompts, seed=7)
@@ -102,7 +102,9 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
             time.sleep(0.2)
 
     versions = [v for v, _ in history]
-    assert versions[0] is None and all(b == a if was_flat else (b is not None and (a or 0) < b)
+    # after a step with no reward spread the version may stay, or move on if a late group of the
+    # step before trained a second version meanwhile
+    assert versions[0] is None and all((b or 0) >= (a or 0) if was_flat else (b is not None and (a or 0) < b)
                                        for a, b, was_flat in zip(versions, versions[1:], flat)), \
         f"every step's rollouts must come from a newer version than the last (unless it had no reward spread): {history}"
     print("RL history (version, mean reward):", history)

@@ -46,7 +46,8 @@ def serving(stack, model_dir, adapter_pool, tmp_path_factory):
         EngineSettings(model=str(model_dir), ports=[free_port()], max_loras=4, max_cpu_loras=6,
                        max_lora_rank=8, max_model_len=512, max_num_seqs=32, log_dir=data / "logs",
                        start_timeout_s=400, health_interval_s=0.5, keep_alive_s=8),
-        GatewaySettings(port=0, metrics_port=0, spool_dir=data / "spool", tenant_concurrency=8, registry_poll_s=0.2,
+        GatewaySettings(port=0, metrics_port=0, spool_dir=data / "spool", tenant_concurrency=8, tenant_rate_per_s=1000,
+                        tenant_burst=1000, registry_poll_s=0.2,
                         tenant_refresh_s=1.0, drain_timeout_s=60, kafka_timeout_s=2.0),
         kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url,
     ).start()
