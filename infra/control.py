@@ -122,7 +122,9 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     @api.get("/tenants", dependencies=[Depends(admin)])
     def list_tenants():
         lag = registry.r.hgetall(f"{LAG_KEY}:{ingest_group}")
-        return {"tenants": [summary(t) for t in registry.list_tenants()],
+        tenants = registry.list_tenants()
+        last_hour = registry.traffic_totals([t.id for t in tenants])  # what the gateway served each
+        return {"tenants": [{**summary(t), "last_hour": last_hour[t.id]} for t in tenants],
                 "consumer_lag": sum(int(v) for v in lag.values()) if lag else None}
 
     @api.post("/tenants", status_code=201, dependencies=[Depends(admin)])

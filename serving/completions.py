@@ -61,7 +61,8 @@ class Unrecordable(ValueError):
 
 def recorded_messages(body: dict[str, Any], kind: Kind) -> list[Message]:
     """The request's messages as its interaction event records them (content parts become their
-    text; tool calls keep the OpenAI keys, without the `index` of stream deltas). Raises
+    text; tool calls keep the OpenAI keys, without the `index` of stream deltas; an assistant
+    turn with neither content nor tool calls has content ""). Raises
     `Unrecordable` naming the field of the first message that cannot be recorded: the gateway
     refuses such a request before serving it, since feedback on it could never join."""
     if kind == "completion":
@@ -77,11 +78,13 @@ def recorded_messages(body: dict[str, Any], kind: Kind) -> list[Message]:
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise Unrecordable(f"messages.{i}", "a message must be an object")
-        content = m.get("content")
+        content, calls = m.get("content"), _openai_keys(m.get("tool_calls")) or None
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = "".join(t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+        if content is None and calls is None and m.get("role") == "assistant":
+            content = ""  # an empty assistant turn an agent sent back: vLLM serves it
         out.append(_message(f"messages.{i}", role=m.get("role"), content=content, name=m.get("name"),
-                            tool_calls=_openai_keys(m.get("tool_calls")), tool_call_id=m.get("tool_call_id")))
+                            tool_calls=calls, tool_call_id=m.get("tool_call_id")))
     return out
 
 

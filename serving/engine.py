@@ -170,6 +170,11 @@ class EngineManager:
                     if time.monotonic() >= deadline:
                         raise AdapterLoadError(f"no slot for {name} on replica {replica.index} after "
                                                f"{self.adapter_wait_s} s: {e}", transient=True) from e
+                except ReplicaError as e:  # the unload that frees a slot failed
+                    if not replica.alive():
+                        self.mark_failed(replica, e)
+                    raise AdapterLoadError(f"freeing a slot for {name} on replica {replica.index} failed: {e}",
+                                           transient=True) from e
                 else:
                     try:
                         await replica.load_adapter(self.http, name, ref.path)

@@ -234,7 +234,7 @@ class Gateway:
             return _upstream_error(upstream.status_code, content)
 
         async def relay() -> AsyncIterator[bytes]:
-            complete, status, first = False, CLIENT_LEFT, True
+            complete, status, first, failed = False, CLIENT_LEFT, True, None
             try:
                 async for line in upstream.aiter_lines():
                     if not line.startswith("data: "):
@@ -244,11 +244,12 @@ class Gateway:
                         first = False
                     data = line[6:]
                     if data.strip() == "[DONE]":
-                        complete, status = True, 200
+                        complete, status = True, 200 if failed is None else failed
                         yield b"data: [DONE]\n\n"
                         continue
                     obj = json.loads(data)
-                    if "error" in obj:
+                    if "error" in obj:  # vLLM failed the generation: passed on, not recorded
+                        failed = _error_status(obj["error"])
                         yield f"data: {json.dumps(obj)}\n\n".encode()
                         continue
                     yield f"data: {json.dumps(rec.chunk(obj))}\n\n".encode()
@@ -257,8 +258,13 @@ class Gateway:
                 err = errors.unavailable(f"engine replica {lease.replica.index} failed mid-stream: {e}")
                 status = err.status
                 yield f"data: {json.dumps(err.body())}\n\n".encode()
+            except httpx.TimeoutException:
+                err = ApiError(504, f"engine did not answer within {self.settings.upstream_timeout_s} s",
+                               type="server_error", code="timeout")
+                status = err.status
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
             finally:
-                if complete:
+                if complete and failed is None:
                     self._record(rec)
                 self.metrics.answered(rec.tenant, rec.kind, status, time.monotonic() - started, stream=True)
                 await stack.aclose()
@@ -279,6 +285,12 @@ class Gateway:
             out.append({"id": f"{principal.tenant}@v{v.version}", "object": "model", "created": int(v.created_at),
                         "owned_by": principal.tenant, "root": f"{principal.tenant}@v{v.version}", "parent": base})
         return out
+
+
+def _error_status(error: Any) -> int:
+    """The HTTP status an error event in vLLM's stream stands for (vLLM puts it in `code`)."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and 400 <= code <= 599 else 500
 
 
 def _upstream_error(status: int, content: bytes) -> JSONResponse:

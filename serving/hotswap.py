@@ -42,9 +42,8 @@ log = logging.getLogger(__name__)
 
 LOAD_RETRY_S = 1.0
 LOAD_RETRY_MAX_S = 60.0
-
-
 KEEP_SWAPS = 1000
+"""`HotSwapper.swaps` keeps the latest 1000-2000 swaps."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,8 @@ class HotSwapper:
         self.registry, self.aliases, self.engine, self.clock = registry, aliases, engine, clock
         self.poll_s, self.refresh_s, self.drain_timeout_s = poll_s, refresh_s, drain_timeout_s
         self.swaps: list[Swap] = []
-        """The latest swaps, up to `KEEP_SWAPS` (tests and benchmarks read them; `metrics` counts
-        them all). A list, trimmed by rebinding: another thread may be iterating over it."""
+        """The latest swaps (tests and benchmarks read them; `metrics` counts them all). A list,
+        trimmed to `KEEP_SWAPS` by rebinding: another thread may be iterating over it."""
         self.metrics = metrics
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._known: set[str] = set()
@@ -153,6 +152,8 @@ class HotSwapper:
                     await self.reconcile(tenant)
             except (RegistryError, redis.RedisError) as e:
                 log.warning("registry poll failed (retrying): %s", e)
+            except Exception:  # noqa: BLE001 - one tenant's failure must not end every tenant's swaps
+                log.exception("hot-swap poll failed (retrying)")
             await asyncio.sleep(self.poll_s)
 
     def start(self) -> None:

@@ -5,17 +5,23 @@ goes to `clora.interactions`, keyed by tenant.
 sends batches to the broker and waits for acks=all; whatever the broker does not acknowledge
 in time is appended to the `DiskSpool`, and while the spool holds anything new events go
 there too (so a tenant's events keep their order). The same thread retries the spool every
-`retry_s` and empties it once the broker is back. Nothing is dropped.
+`retry_s` and empties it once the broker is back. Nothing is dropped: a record the broker
+refuses for good (too large, invalid) is set aside in the spool folder's `rejected.jsonl` and
+counted, so that it does not hold up every later event; an unexpected error keeps the batch
+for the next round instead of ending the thread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
-from kafka.errors import KafkaError
+from kafka.errors import CorruptRecordError, InvalidRecordError, KafkaError, MessageSizeTooLargeError
 
 from clora.ingest.producer import BrokerUnavailable, EventProducer
 from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
@@ -24,6 +30,9 @@ from clora.serving.spool import DiskSpool
 log = logging.getLogger(__name__)
 
 Record = tuple[str, str, str]  # (topic, key, value)
+
+REFUSED_FOR_GOOD = (MessageSizeTooLargeError, InvalidRecordError, CorruptRecordError)
+"""Errors no retry can fix: the record itself is refused."""
 
 
 class InteractionLogger:
@@ -37,9 +46,11 @@ class InteractionLogger:
         self.batch = batch
         self._q: queue.Queue[Record | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="interaction-logger", daemon=True)
-        self._stopped = threading.Event()
+        self._give_up = threading.Event()
+        """Set by `stop` after its timeout: send nothing more, spool everything."""
         self.sent = 0
         self.spooled = 0
+        self.rejected = 0
 
     def start(self) -> "InteractionLogger":
         self._thread.start()
@@ -53,9 +64,13 @@ class InteractionLogger:
         return self._q.qsize() + self.spool.count()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Flush what can be flushed; the rest stays in the spool for the next start."""
+        """Flush what can be flushed; the rest stays in the spool for the next start. After
+        `timeout_s` the broker is given up on: what is still queued goes to the spool."""
         self._q.put(None)
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._give_up.set()
+            self._thread.join()
         if self._producer is not None:
             try:
                 self._producer.close()
@@ -66,26 +81,41 @@ class InteractionLogger:
     # --- the sender thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        carry: list[Record] = []  # a batch an unexpected error interrupted: it goes first next time
         stopping = False
         while not stopping:
-            batch: list[Record] = []
+            batch, stopping = self._take(carry)
             try:
-                item = self._q.get(timeout=self.retry_s)
-                while True:
-                    if item is None:
-                        stopping = True
-                        break
-                    batch.append(item)
-                    if len(batch) >= self.batch:
-                        break
-                    item = self._q.get_nowait()
-            except queue.Empty:
-                pass
-            if not self.spool.empty():
-                self._append(batch)
-                self._drain_spool()
-            elif batch and not self._send(batch):
-                self._append(batch)
+                if not self.spool.empty():
+                    self._append(batch)
+                    self._drain_spool()
+                elif batch and not self._send(batch):
+                    self._append(batch)
+                carry = []
+            except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+                log.exception("logging %d interaction events failed; retrying in %.1f s", len(batch), self.retry_s)
+                carry = batch
+                if stopping:
+                    log.error("stopping with %d interaction events neither sent nor spooled", len(batch))
+                else:
+                    time.sleep(self.retry_s)
+
+    def _take(self, carry: list[Record]) -> tuple[list[Record], bool]:
+        """The next batch (after `carry`), and whether `stop` was asked. While the spool holds
+        anything, everything queued goes at once (to the spool: a broker outage must not leave
+        events waiting in memory)."""
+        batch, limit = list(carry), self.batch if self.spool.empty() else max(self.batch, self._q.qsize())
+        try:
+            item = self._q.get(timeout=self.retry_s) if not batch else self._q.get_nowait()
+            while True:
+                if item is None:
+                    return batch, True
+                batch.append(item)
+                if len(batch) >= limit:
+                    return batch, False
+                item = self._q.get_nowait()
+        except queue.Empty:
+            return batch, False
 
     def _append(self, batch: list[Record]) -> None:
         if batch:
@@ -94,7 +124,7 @@ class InteractionLogger:
             log.info("broker unavailable: spooled %d interaction events", len(batch))
 
     def _drain_spool(self) -> None:
-        while not self.spool.empty():
+        while not self.spool.empty() and not self._give_up.is_set():
             records = self.spool.pending(self.batch)
             if not records:
                 return
@@ -103,15 +133,39 @@ class InteractionLogger:
             self.spool.ack(records[-1].end)
 
     def _send(self, batch: list[Record]) -> bool:
-        """Send and wait for every ack. False (nothing assumed stored) if the broker failed."""
+        """Send and wait for every ack. False (nothing assumed stored) if the broker failed. A
+        record refused for good is set aside (`_reject`) and counts as handled."""
+        if self._give_up.is_set():
+            return False
+        deadline = time.monotonic() + self.ack_timeout_s
         try:
             if self._producer is None:
                 self._producer = self._make_producer()
-            futures = [self._producer.send(t, k, v) for t, k, v in batch]
-            for f in futures:
-                f.get(timeout=self.ack_timeout_s)
+            futures = []
+            for record in batch:
+                try:
+                    futures.append((record, self._producer.send(*record)))
+                except BrokerUnavailable as e:
+                    if not isinstance(e.__cause__, REFUSED_FOR_GOOD):
+                        raise
+                    self._reject(record, e.__cause__)
+            for record, f in futures:
+                try:
+                    f.get(timeout=max(0.01, deadline - time.monotonic()))
+                except REFUSED_FOR_GOOD as e:
+                    self._reject(record, e)
         except (BrokerUnavailable, KafkaError) as e:
             log.warning("sending %d interaction events failed: %s", len(batch), e)
             return False
         self.sent += len(batch)
         return True
+
+    def _reject(self, record: Record, error: BaseException) -> None:
+        topic, key, value = record
+        with open(self.spool.dir / "rejected.jsonl", "ab") as f:
+            f.write(json.dumps({"topic": topic, "key": key, "value": value, "error": repr(error)}).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.rejected += 1
+        log.error("the broker refused an interaction event of tenant %s for good (%s); set aside in %s",
+                  key, error, self.spool.dir / "rejected.jsonl")

@@ -32,10 +32,31 @@ class DiskSpool:
         self.data = self.dir / "spool.jsonl"
         self.offset_file = self.dir / "spool.offset"
         self._fh = open(self.data, "ab")
+        self._cut_torn_tail()
         size = self._fh.tell()
         self._offset = self._read_offset()
         if self._offset > size:  # crashed between truncating the data and resetting the offset
             self._write_offset(0)
+
+    def _cut_torn_tail(self) -> None:
+        """A crash in the middle of `append` leaves part of a line at the end. That record was
+        never durable (its `append` did not return); cut it, or the next append would be glued
+        to it and make a line no one can read."""
+        size = self._fh.tell()
+        with open(self.data, "rb") as f:
+            end = size
+            while end > 0:
+                start = max(0, end - 65536)
+                f.seek(start)
+                newline = f.read(end - start).rfind(b"\n")
+                if newline >= 0:
+                    end = start + newline + 1
+                    break
+                end = start
+        if end < size:
+            self._fh.truncate(end)
+            self._fh.seek(end)
+            os.fsync(self._fh.fileno())
 
     def _read_offset(self) -> int:
         try:

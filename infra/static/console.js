@@ -98,12 +98,14 @@ async function renderOverview(first) {
     el("td", { class: "live" }, t.live_version === null ? "base" : "v" + t.live_version,
       t.rollbacks ? el("div", { class: "rolled-back", title: "versions the reward guard rolled back" }, `${t.rollbacks} rolled back`) : ""),
     el("td", { class: "depth" }, `${t.buffer_depth.sft} / ${t.buffer_depth.preference} / ${t.buffer_depth.rl}`),
+    el("td", { class: "traffic", title: "requests the gateway answered in the last hour" }, String(t.last_hour.requests ?? 0),
+      t.last_hour.errors ? el("div", { class: "rolled-back" }, `${t.last_hour.errors} errors`) : ""),
     el("td", {}, String(data.consumer_lag ?? "—")),
     el("td", {}, fmtTime(t.last_publish)),
     el("td", {}, sparkline(t.reward_trend)),
   ));
   const table = el("table", { id: "tenants" },
-    el("thead", {}, el("tr", {}, ["tenant", "state", "live", "buffer sft / pref / rl", "consumer lag", "last publish", "reward trend"].map(h => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ["tenant", "state", "live", "buffer sft / pref / rl", "requests (1 h)", "consumer lag", "last publish", "reward trend"].map(h => el("th", {}, h)))),
     el("tbody", {}, rows));
   const dlqTable = el("table", { id: "dlq" },
     el("thead", {}, el("tr", {}, ["time", "topic", "reason", ""].map(h => el("th", {}, h)))),

@@ -129,6 +129,7 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
             reward=reward, group_id=f"g{i}")], now=1.0)
     page.goto(page.url.split("#")[0] + "#/")
     assert page.inner_text(f"tr[data-tenant='{tenant_id}'] .rolled-back", timeout=10_000) == "1 rolled back"
+    assert page.inner_text(f"tr[data-tenant='{tenant_id}'] td.traffic") == "10"  # the last hour's requests
     page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
     page.wait_for_selector("#live-version:has-text('v3')")
     assert page.locator("#chart-reward path.line").count() == 1

@@ -195,3 +195,29 @@ def test_the_gateway_drops_idle_engine_connections_before_the_replica_does(tmp_p
     assert eng.replicas[0].env()["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "30"
     assert eng.http._transport._pool._keepalive_expiry == 15  # httpx keeps no public accessor
     asyncio.run(eng.http.aclose())
+
+
+def test_an_unload_that_fails_while_freeing_a_slot_is_a_transient_load_error(tmp_path):
+    """It used to escape as a ReplicaError: a 500 on the request path, and the end of the hot-swap
+    poller when a preload hit it."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500 if request.url.path.endswith("unload_lora_adapter") else 200, text="boom")
+
+    es = EngineSettings(model=str(tmp_path), ports=[1], max_loras=1, max_cpu_loras=1, base_via_zero_adapter=False,
+                        log_dir=tmp_path)
+    eng = EngineManager(es, adapter_wait_s=0.5)
+    eng.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    eng.replicas[0].healthy = True
+    a, b = AdapterRef("a", 1, "/a"), AdapterRef("b", 1, "/b")
+
+    async def run():
+        async with eng.lease(a):
+            pass
+        with pytest.raises(AdapterLoadError, match="freeing a slot for b@v1") as e:
+            async with eng.lease(b):
+                pass
+        return e.value
+
+    err = asyncio.run(run())
+    assert err.transient and not eng.replicas[0].healthy  # no process behind it: marked failed
+    assert eng.resident_names()[0] == ["a@v1"]  # put back: vLLM still holds it

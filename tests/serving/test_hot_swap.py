@@ -34,6 +34,11 @@ def _wait_serving(client, tenant, version, timeout_s=SERVED_WITHIN_S) -> float:
     raise AssertionError(f"{tenant}@v{version} not served after {timeout_s} s")
 
 
+async def _pinned_and_resident(engine, name: str) -> tuple[bool, bool]:
+    """Read on the gateway's loop, so that both answers are of the same moment."""
+    return engine.pins(name) > 0, name in engine.resident_names()[0]
+
+
 @pytest.mark.slow
 def test_hot_swap_under_load(serving, tenants, client_for, interactions):
     a, key_a = tenants.create(11)
@@ -79,10 +84,13 @@ def test_hot_swap_under_load(serving, tenants, client_for, interactions):
         new = tenants.publish(a, 15)
         _wait_serving(ca, a, new)
         t_swapped = time.monotonic()
-        assert f"{a}@v{old}" in serving.gateway.engine.resident_names()[0]  # pinned by the stream: not unloaded
+        # While the gateway still relays the stream, its version stays loaded. (A fast engine can
+        # finish the stream server-side before the swap; then it is rightly unpinned and may go.)
+        pinned, resident = serving.call(_pinned_and_resident(serving.gateway.engine, f"{a}@v{old}"))
+        assert resident or not pinned, "a version an in-flight stream uses was unloaded"
         rest = list(it)
-        print(f"stream: swapped {t_swapped - t_first:.2f} s after its first chunk, ended after "
-              f"{time.monotonic() - t_first:.2f} s")
+        print(f"stream: swapped {t_swapped - t_first:.2f} s after its first chunk (still relayed: {pinned}), "
+              f"ended after {time.monotonic() - t_first:.2f} s")
         chunks = [first, *rest]
         assert {c.model for c in chunks} == {f"{a}@v{old}"}
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_old

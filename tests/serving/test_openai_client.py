@@ -196,7 +196,7 @@ def test_auth_and_validation_errors(serving, tenants, client_for):
     # What its interaction event could not record is refused before it is served: feedback on
     # an interaction that was never recorded would be lost.
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=tenant, max_tokens=2, messages=[*msgs, {"role": "assistant", "content": None}])
+        c.chat.completions.create(model=tenant, max_tokens=2, messages=[*msgs, {"role": "tool", "content": None}])
     assert e.value.body["param"] == "messages.1" and "content or tool_calls" in e.value.body["message"]
     with pytest.raises(openai.APIStatusError) as e:
         c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "x" * 2_000_000}], max_tokens=2)

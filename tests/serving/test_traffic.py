@@ -65,3 +65,7 @@ def test_round_trip_through_redis(registry, tenant_id):
     assert minutes[1] == {"minute": 6000, "requests": 3, "ok": 2, "latency_s": 1.5, "errors": 1}
     assert minutes[3] == {"minute": 102 * 60, "requests": 4}
     assert 0 < registry.r.ttl(f"clora:tenant:{tenant_id}:traffic:100") <= 2 * 86400
+    other = tenant_id + "-b"
+    registry.add_traffic({(other, 101): {"requests": 5, "errors": 2}})
+    totals = registry.traffic_totals([tenant_id, other, tenant_id + "-none"], minutes=2, now=102 * 60)
+    assert totals == {tenant_id: {"requests": 4.0}, other: {"requests": 5.0, "errors": 2.0}, tenant_id + "-none": {}}

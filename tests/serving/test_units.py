@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import InvalidRecordError, KafkaTimeoutError, MessageSizeTooLargeError
 
+from clora.ingest.producer import BrokerUnavailable
 from clora.ingest.schemas import InteractionEvent, Message
 from clora.serving.aliases import AdapterRef, AliasTable, parse_model
 from clora.serving.completions import Recorder, Unrecordable, recorded_messages, upstream_body
@@ -91,6 +92,24 @@ def test_spool_append_ack_reopen(tmp_path):
     assert s.count() == 0
 
 
+def test_spool_cuts_a_torn_last_line_before_appending_after_it(tmp_path):
+    """A crash mid-append leaves half a line; the next append must not be glued to it (the glued
+    line could never be read, and every later event would queue behind it)."""
+    s = DiskSpool(tmp_path)
+    s.append([("t", "k1", "v1")])
+    s.close()
+    with open(s.data, "ab") as f:
+        f.write(b'{"topic": "t", "key"')  # the crash
+    s = DiskSpool(tmp_path)
+    s.append([("t", "k2", "v2")])
+    assert [r.value for r in s.pending()] == ["v1", "v2"] and s.count() == 2
+    s.close()
+    with open(s.data, "wb") as f:
+        f.write(b'{"topic": "t"')  # nothing whole at all
+    s = DiskSpool(tmp_path)
+    assert s.empty() and s.size() == 0
+
+
 class FlakyProducer:
     def __init__(self):
         self.up = False
@@ -137,6 +156,98 @@ def test_logger_spools_while_broker_down_and_sends_in_order_later(tmp_path):
     lg.stop()
 
 
+class PickyProducer(FlakyProducer):
+    """Refuses for good what kafka-python would: a record too large to send (at `send`, as
+    `EventProducer` reports it) or one the broker rejects (at the ack)."""
+
+    def send(self, topic, key, value):
+        iid = json.loads(value)["interaction_id"]
+        if iid == "i1":
+            raise BrokerUnavailable("could not queue a record") from MessageSizeTooLargeError("1.2 MB")
+        if iid == "i2":
+            return _Refused()
+        return super().send(topic, key, value)
+
+
+class _Refused:
+    def get(self, timeout=None):
+        raise InvalidRecordError("broker refused the record")
+
+
+def _wait(predicate, timeout_s=5.0):
+    import time
+
+    deadline = time.time() + timeout_s
+    while not predicate() and time.time() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_record_the_broker_refuses_for_good_is_set_aside_and_the_rest_flow(tmp_path):
+    prod = PickyProducer()
+    lg = InteractionLogger(lambda: prod, DiskSpool(tmp_path), retry_s=0.05).start()
+    for i in range(4):  # broker down: all four go to the spool
+        lg.submit(_event(i))
+    assert _wait(lambda: lg.spool.count() == 4)
+    prod.up = True
+    lg.submit(_event(4))
+    assert _wait(lambda: prod.got == ["i0", "i3", "i4"]), prod.got
+    assert _wait(lambda: lg.spool.empty()) and lg.rejected == 2
+    rejected = [json.loads(line) for line in (tmp_path / "rejected.jsonl").read_text().splitlines()]
+    assert [json.loads(r["value"])["interaction_id"] for r in rejected] == ["i1", "i2"]
+    assert "MessageSizeTooLargeError" in rejected[0]["error"]
+    lg.submit(_event(5))  # not blocked behind them
+    assert _wait(lambda: prod.got[-1:] == ["i5"])
+    lg.stop()
+
+
+class _FailingOnceSpool(DiskSpool):
+    def __init__(self, dir):
+        super().__init__(dir)
+        self.failures = 1
+
+    def append(self, records):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(28, "No space left on device")
+        super().append(records)
+
+
+def test_the_logger_outlives_an_unexpected_error_and_keeps_the_batch(tmp_path):
+    prod = FlakyProducer()
+    lg = InteractionLogger(lambda: prod, _FailingOnceSpool(tmp_path), retry_s=0.05).start()
+    lg.submit(_event(0))  # broker down, and the spool's first write fails
+    assert _wait(lambda: lg.spool.count() == 1)  # kept and spooled on the next round
+    prod.up = True
+    lg.submit(_event(1))
+    assert _wait(lambda: prod.got == ["i0", "i1"]), prod.got
+    lg.stop()
+
+
+class _Hanging:
+    def get(self, timeout=None):
+        import time
+
+        time.sleep(timeout)
+        raise KafkaTimeoutError("no ack")
+
+
+class HangingProducer(FlakyProducer):
+    """A broker that takes records and never acknowledges them."""
+
+    def send(self, topic, key, value):
+        return _Hanging()
+
+
+def test_stop_spools_what_a_silent_broker_did_not_take_in_time(tmp_path):
+    lg = InteractionLogger(lambda: HangingProducer(), DiskSpool(tmp_path), retry_s=0.05, ack_timeout_s=0.5).start()
+    for i in range(3):
+        lg.submit(_event(i))
+    lg.stop(timeout_s=0.1)  # the thread is still waiting for acks: stop gives the broker up, then closes
+    assert not lg._thread.is_alive()
+    assert [json.loads(r.value)["interaction_id"] for r in DiskSpool(tmp_path).pending()] == ["i0", "i1", "i2"]
+
+
 def test_recorder_stream_accumulates_and_strips():
     body = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     up = upstream_body(body, "chat", "acme@v3")
@@ -178,11 +289,14 @@ def test_recorded_messages_keep_the_openai_shape():
     assert msgs[0].content == "ab"
     assert msgs[1].tool_calls[0].model_dump() == call
     assert msgs[2].tool_call_id == "c1"
+    empty = recorded_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": []},
+                                            {"role": "user", "content": [{"type": "text", "text": None}]}]}, "chat")
+    assert [(m.content, m.tool_calls) for m in empty] == [("", None), ("", None)]
     assert recorded_messages({"prompt": [1, 2]}, "completion")[0].content == "[1, 2]"
 
 
 @pytest.mark.parametrize("body, kind, field", [
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}, "chat", "messages.1"),
+    ({"messages": [{"role": "tool", "content": None}]}, "chat", "messages.0"),
     ({"messages": [{"role": "function", "content": "q"}]}, "chat", "messages.0.role"),
     ({"messages": ["q"]}, "chat", "messages.0"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "", "function": {"name": "f", "arguments": ""}}]}]},
@@ -218,3 +332,43 @@ def test_recorder_records_a_tool_call_the_model_left_unnamed():
     rec.chunk({"choices": [{"index": 0, "delta": {"content": "4"}, "finish_reason": "stop"}]})
     (ev,) = rec.events()
     assert ev.messages[1].tool_calls[0].function.name == ""
+
+
+def test_a_stream_vllm_failed_is_passed_on_counted_as_an_error_and_not_recorded():
+    """vLLM reports a generation that failed mid-stream as an error event, then `[DONE]`: the
+    client gets the error, and the cut-off completion is neither recorded (it would train) nor
+    counted as answered."""
+    import asyncio
+    import contextlib
+    import time
+    from types import SimpleNamespace
+
+    import httpx
+
+    from clora.serving.gateway import Gateway
+    from clora.serving.settings import GatewaySettings
+
+    sse = (b'data: {"id": "x", "choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [1]}]}\n\n'
+           b'data: {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}\n\n'
+           b"data: [DONE]\n\n")
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=sse))
+    submitted: list = []
+    engine = SimpleNamespace(http=httpx.AsyncClient(transport=transport), mark_failed=lambda *a: None)
+    gw = Gateway(GatewaySettings(), None, engine, None, SimpleNamespace(submit=submitted.append), None)
+    body = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    rec = Recorder(kind="chat", body=body, tenant="acme", interaction_id="chatcmpl-e", ref=None, client_model="base")
+
+    async def relay() -> list[bytes]:
+        lease = SimpleNamespace(replica=SimpleNamespace(index=0))
+        response = await gw._stream("http://engine/v1/chat/completions", {}, rec, lease,
+                                    contextlib.AsyncExitStack(), time.monotonic())
+        return [chunk async for chunk in response.body_iterator]
+
+    chunks = asyncio.run(relay())
+    assert any(b"engine died" in c for c in chunks) and chunks[-1] == b"data: [DONE]\n\n"
+    assert submitted == []
+    def counted(status: str) -> float | None:
+        return gw.metrics.registry.get_sample_value("clora_gateway_requests_total",
+                                                    {"tenant": "acme", "kind": "chat", "status": status})
+
+    assert counted("500") == 1 and counted("200") is None
