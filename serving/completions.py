@@ -34,9 +34,15 @@ VLLM_EXTRAS = ("prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfe
 CHOICE_EXTRAS = ("token_ids", "routed_experts")
 
 
-def upstream_body(body: dict[str, Any], kind: Kind, served_model: str) -> dict[str, Any]:
-    """The request vLLM gets: the client's, with the served name and token ids + logprobs on."""
+def upstream_body(body: dict[str, Any], kind: Kind, served_model: str, cache_salt: str | None = None) -> dict[str, Any]:
+    """The request vLLM gets: the client's, with the served name, token ids + logprobs on, and
+    the caller's tenant's `cache_salt` (whatever the client sent): vLLM then reuses a cached
+    prompt prefix only within one tenant, so no tenant can time its first token to learn what
+    another recently sent to a model both share (the base model, or the zero adapter on CPU)."""
     up = dict(body, model=served_model, return_token_ids=True)
+    up.pop("cache_salt", None)
+    if cache_salt is not None:
+        up["cache_salt"] = cache_salt
     if kind == "chat":
         if not body.get("logprobs"):
             up["logprobs"], up["top_logprobs"] = True, 0

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +64,13 @@ class Gateway:
     logger: InteractionLogger
     quota: TenantQuota
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    _held_versions: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter), init=False)
+    """tenant -> version -> requests in flight to that version, for versions other than the live one."""
+    salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    """Keys each tenant's prefix-cache salt (`cache_salt`); never leaves the gateway."""
+
+    def cache_salt(self, tenant: str) -> str:
+        return hmac.new(self.salt_key, tenant.encode(), hashlib.sha256).hexdigest()
 
     # --- admission ----------------------------------------------------------------------
 
@@ -171,6 +182,8 @@ class Gateway:
         stack = contextlib.AsyncExitStack()
         stack.callback(self.quota.release, principal.tenant)
         try:
+            if ref is not None and ref != await self.swapper.live_ref(principal.tenant):
+                self._hold_version(ref, stack)
             try:
                 lease = await stack.enter_async_context(self.engine.lease(ref))
             except EngineUnavailable as e:
@@ -185,7 +198,7 @@ class Gateway:
                            client_model=ref.name if ref else self.engine.settings.base_name)
             for iid in rec.interaction_ids():
                 await asyncio.to_thread(self.registry.claim_interaction, iid, principal.tenant)
-            up = upstream_body(body, kind, lease.model)
+            up = upstream_body(body, kind, lease.model, self.cache_salt(principal.tenant))
             url = lease.replica.url + path
             if body.get("stream"):
                 response = await self._stream(url, up, rec, lease, stack, started)
@@ -195,6 +208,27 @@ class Gateway:
         finally:
             if stack is not None:
                 await stack.aclose()
+
+    def _hold_version(self, ref: AdapterRef, stack: contextlib.AsyncExitStack) -> None:
+        """Count an in-flight request to a version other than its tenant's live one. Each pins
+        an adapter slot on a replica: a tenant with requests to every one of its old versions
+        at once would take every slot from every other tenant, so it may have at most
+        `tenant_pinned_versions` of them in flight (a 429 over it)."""
+        held, limit = self._held_versions[ref.tenant], self.settings.tenant_pinned_versions
+        if ref.version not in held and len(held) >= limit:
+            raise errors.rate_limited(f"tenant {ref.tenant} already has requests in flight to {len(held)} versions "
+                                      f"other than its live one ({', '.join(f'v{v}' for v in sorted(held))}); at "
+                                      f"most {limit} at once", retry_after_s=1)
+        held[ref.version] += 1
+        stack.callback(self._release_version, ref)
+
+    def _release_version(self, ref: AdapterRef) -> None:
+        held = self._held_versions[ref.tenant]
+        held[ref.version] -= 1
+        if not held[ref.version]:
+            del held[ref.version]
+        if not held:
+            del self._held_versions[ref.tenant]
 
     def _record(self, rec: Recorder) -> None:
         """Log the interaction events of a finished completion; count its tokens."""

@@ -91,6 +91,9 @@ class GatewaySettings(BaseSettings):
     max_n: int = Field(default=16, ge=1)
     tenant_concurrency: int = Field(default=32, ge=1)
     """Requests one tenant may have in flight; more answer 429."""
+    tenant_pinned_versions: int = Field(default=2, ge=1)
+    """Versions other than its live one (`acme@v3`) one tenant may have requests in flight to at
+    once; a request to yet another answers 429. Each such version holds an adapter slot."""
     tenant_rate_per_s: float = Field(default=50.0, gt=0)
     """Sustained requests per second per tenant (token bucket); more answer 429."""
     tenant_burst: int = Field(default=100, ge=1)

@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import json
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -322,3 +323,56 @@ def test_a_stream_whose_client_left_before_its_first_chunk_frees_its_slot(servin
              timeout=60, what="the abandoned streams to free their slots")
     assert client_for(key).chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=2).choices
+
+
+def test_a_cached_prompt_prefix_is_reused_within_a_tenant_never_across(serving, tenants, client_for):
+    """Every tenant's requests carry its own `cache_salt`: vLLM reuses a cached prefix only for
+    the same tenant, so the time to a first token tells no tenant what another sent to a model
+    both share (here the base model)."""
+    replica = serving.gateway.engine.replicas[0]
+
+    def hits() -> float:
+        text = httpx.get(replica.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm:prefix_cache_hits_total"))
+
+    (_, key_a), (_, key_b) = tenants.create(11), tenants.create(12)
+    prompt = " ".join(f"w{i}" for i in range(60))  # spans several cache blocks
+
+    def ask(key: str, salt: str | None = None) -> None:
+        extra = {"extra_body": {"cache_salt": salt}} if salt else {}
+        client_for(key).completions.create(model="base", prompt=prompt, max_tokens=1, **extra)
+
+    ask(key_a, salt="one")  # a client's own salt is replaced by its tenant's
+    before = hits()
+    ask(key_a, salt="two")
+    within = hits() - before
+    ask(key_b, salt="one")
+    across = hits() - before - within
+    assert within > 0 and across == 0, (within, across)
+
+
+def test_one_tenant_cannot_pin_every_adapter_slot_with_its_old_versions(serving, tenants, client_for):
+    """Each in-flight request to an old version holds an adapter slot: a tenant may have requests
+    to at most `tenant_pinned_versions` (2) versions other than its live one at once."""
+    tenant, key = tenants.create(11, 12, 13, 14)  # v4 is live
+    c = client_for(key)
+    long = {"max_tokens": 480, "extra_body": {"ignore_eos": True}}
+    streams = [c.completions.create(model=f"{tenant}@v{v}", prompt="go", stream=True, **long) for v in (1, 2)]
+    for s in streams:
+        next(iter(s))  # both are generating
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model=f"{tenant}@v3", prompt="go", max_tokens=2)
+    assert "v1, v2" in e.value.message and e.value.response.headers.get("retry-after")
+    assert c.completions.create(model=f"{tenant}@v1", prompt="go", max_tokens=2).choices  # already held
+    assert c.completions.create(model=tenant, prompt="go", max_tokens=2).choices  # the live one, always
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 30
+    while True:  # the closed streams release their versions
+        try:
+            assert c.completions.create(model=f"{tenant}@v3", prompt="go", max_tokens=2).choices
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the versions of closed streams were never released"
+            time.sleep(0.2)
