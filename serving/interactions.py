@@ -59,6 +59,9 @@ class InteractionLogger:
     def submit(self, event: InteractionEvent) -> None:
         self._q.put((TOPIC_INTERACTIONS, event.tenant, event.model_dump_json()))
 
+    def queued(self) -> int:
+        return self._q.qsize()
+
     def backlog(self) -> int:
         """Events not yet acknowledged by the broker (queued + spooled)."""
         return self._q.qsize() + self.spool.count()

@@ -9,7 +9,7 @@ can coexist in one test process.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from clora.serving.traffic import TrafficRollup
 
@@ -43,9 +43,12 @@ class GatewayMetrics:
         self.swap_seconds = Histogram("clora_gateway_swap_seconds", "From noticing a new live version to serving "
                                       "it (its preload into every replica)", buckets=LATENCY_BUCKETS, registry=r)
 
-    def watch(self, engine) -> None:
-        """Report `engine`'s replicas (health, restarts, resident adapters, requests) on each scrape."""
+    def watch(self, engine, logger=None) -> None:
+        """Report `engine`'s replicas (health, restarts, resident adapters, requests) and the
+        interaction `logger`'s deliveries on each scrape."""
         self.registry.register(_EngineCollector(engine))
+        if logger is not None:
+            self.registry.register(_LoggerCollector(logger))
 
     def answered(self, tenant: str, kind: str, status: int, seconds: float, *, stream: bool = False) -> None:
         self.requests.labels(tenant, kind, str(status)).inc()
@@ -87,3 +90,28 @@ class _EngineCollector:
             for r in self.engine.replicas:
                 family.add_metric([str(r.index)], value(r))
             yield family
+
+
+class _LoggerCollector:
+    """The interaction logger's counts (plain reads of numbers another thread updates)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    def collect(self):
+        lg = self.logger
+        for name, help_, value in (
+                ("clora_gateway_interactions_sent", "Interaction events the broker acknowledged", lg.sent),
+                ("clora_gateway_interactions_spooled", "Interaction events written to the disk spool while the "
+                 "broker did not take them", lg.spooled),
+                ("clora_gateway_interactions_rejected", "Interaction events the broker refused for good (set aside "
+                 "in the spool folder's rejected.jsonl)", lg.rejected)):
+            family = CounterMetricFamily(name, help_)
+            family.add_metric([], value)
+            yield family
+        queued = GaugeMetricFamily("clora_gateway_interactions_queued", "Interaction events waiting in memory")
+        queued.add_metric([], lg.queued())
+        yield queued
+        spool = GaugeMetricFamily("clora_gateway_interaction_spool_bytes", "Bytes in the disk spool not yet sent")
+        spool.add_metric([], lg.spool.pending_bytes())
+        yield spool

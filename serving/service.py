@@ -91,11 +91,11 @@ class ServingService:
         engine = EngineManager(es, live_refs=aliases.refs, adapter_wait_s=gs.adapter_wait_s)
         rollup = TrafficRollup(registry)
         metrics = GatewayMetrics(rollup=rollup)
-        metrics.watch(engine)
         swapper = HotSwapper(registry, aliases, engine, poll_s=gs.registry_poll_s, refresh_s=gs.tenant_refresh_s,
                              drain_timeout_s=gs.drain_timeout_s, metrics=metrics)
         logger = InteractionLogger(lambda: EventProducer(self.kafka_bootstrap, timeout_s=gs.kafka_timeout_s),
                                    DiskSpool(gs.spool_dir), ack_timeout_s=gs.kafka_timeout_s).start()
+        metrics.watch(engine, logger)
         listener = exporter = None
         try:
             exporter = self._export(metrics)

@@ -85,6 +85,9 @@ class DiskSpool:
     def size(self) -> int:
         return self._fh.tell()
 
+    def pending_bytes(self) -> int:
+        return max(0, self.size() - self._offset)
+
     def empty(self) -> bool:
         return self._offset >= self.size()
 

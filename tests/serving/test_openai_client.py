@@ -298,6 +298,7 @@ def test_gateway_metrics_count_requests_tokens_and_replicas(serving, tenants, cl
     assert m("clora_engine_replica_healthy", replica="0") == 1
     assert m("clora_engine_resident_adapters", replica="0") >= 1
     assert m("clora_gateway_swaps_total", tenant=tenant) == 1  # its v1 went live
+    assert m("clora_gateway_interactions_sent_total") >= 2 and m("clora_gateway_interactions_rejected_total") == 0
     # The console's per-minute counts, through Redis.
     serving.call(serving.gateway.metrics.rollup.flush())
     minutes = registry.traffic(tenant, minutes=5)
