@@ -445,8 +445,9 @@ class ReplayBuffer:
         return [None if raw is None else InteractionEvent.model_validate_json(raw) for raw in raws]
 
     def heldout(self, tenant: str, kind: Kind, n: int | None = None) -> list:
-        """Held-out examples, oldest first (all of them when n is None)."""
-        ids = self.r.zrange(tkey(tenant, "held", kind), 0, -1 if n is None else n - 1)
+        """The newest `n` held-out examples (all of them when n is None), oldest first: the
+        publish gate judges a candidate on today's traffic, not on the tenant's first days."""
+        ids = self.r.zrange(tkey(tenant, "held", kind), 0 if n is None else -n, -1)
         return self._load(tkey(tenant, "held", kind, "ex"), ids)
 
     def latest(self, tenant: str, kind: Kind, n: int = 20) -> list:

@@ -46,6 +46,11 @@ def save_checkpoint(root: Path | str, state: AdapterState, layout_numel: int) ->
         finally:
             os.close(fd)
         os.replace(tmp, final)
+        fd = os.open(root, os.O_RDONLY)  # the rename itself survives a power loss only once its folder is synced
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except (OSError, TypeError, ValueError) as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"checkpointing {state.tenant} (step {state.step}) to {final} failed") from e
@@ -73,3 +78,15 @@ def list_checkpoints(root: Path | str) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob(f"*{SUFFIX}") if not p.name.startswith(".tmp-"))
+
+
+def remove_partial(root: Path | str) -> list[Path]:
+    """Delete the temporary files of checkpoints a crash interrupted (each the size of a whole
+    checkpoint: left alone they would fill the disk). Returns them."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    partial = sorted(root.glob(f".tmp-*{SUFFIX}"))
+    for p in partial:
+        p.unlink(missing_ok=True)
+    return partial

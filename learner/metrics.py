@@ -30,5 +30,7 @@ class LearnerMetrics:
                                           "measured under the live version (the others came from its cache)",
                                           ["tenant"], registry=r)
         self.eval_loss = Gauge("clora_learner_eval_loss", "Held-out loss of the last candidate", ["tenant"], registry=r)
+        self.failures = Counter("clora_learner_failures", "Steps that failed (the tenant waits, then tries again; "
+                                "the others train on)", ["tenant"], registry=r)
         self.reward_rollbacks = Counter("clora_learner_reward_rollbacks", "Live versions the reward guard rolled "
                                         "back", ["tenant"], registry=r)

@@ -40,7 +40,7 @@ import torch
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.adapter_store import EXP_AVG, GRAD, MASTER, AdapterCapacityError, AdapterStore
 from clora.learner.batches import ChatEncoder
-from clora.learner.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from clora.learner.checkpoint import list_checkpoints, load_checkpoint, remove_partial, save_checkpoint
 from clora.learner.evaluate import GateDecision, gate
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.lora import LoraModel, LoraSpec
@@ -95,6 +95,8 @@ class Learner:
         self._flat_checked: dict[str, tuple[int, int, int]] = {}
         """Per tenant, the (cursor, waiting, batch size) its batch was last checked for a reward spread at."""
         self._guarded_at = -float("inf")
+        self._failures: dict[str, tuple[int, float]] = {}
+        """Per tenant whose last step failed: (failures in a row, monotonic time of the next try)."""
         self._gate_cache: dict[str, tuple[tuple, dict[str, float]]] = {}
         """Per tenant: (live version, policy's loss settings) and that version's loss on each
         held-out example scored so far (by example id). The live version is usually the last
@@ -105,7 +107,10 @@ class Learner:
     # --- state ----------------------------------------------------------------------------
 
     def restore(self) -> list[str]:
-        """Load every tenant checkpoint; drop torn temporary publish folders."""
+        """Load every tenant checkpoint; drop torn temporary checkpoint files and publish folders."""
+        if partial := remove_partial(self.s.checkpoints_dir):
+            log.warning("removed %d checkpoint file(s) a crash left half-written: %s", len(partial),
+                        [p.name for p in partial])
         restored = []
         for path in list_checkpoints(self.s.checkpoints_dir):
             st = load_checkpoint(path, self.model.layout.numel)
@@ -143,7 +148,8 @@ class Learner:
             p = t.policy
             kind = EXAMPLE_KIND[p.algorithm]
             waiting = self.buffer.newer_than(t.id, kind, self.store.peek(t.id).cursor)
-            views.append(TenantView(t.id, p.paused, p.weight, p.priority, p.min_new_examples, waiting))
+            waits = self._failures.get(t.id, (0, 0.0))[1] > time.monotonic()   # a failed step's back-off
+            views.append(TenantView(t.id, p.paused or waits, p.weight, p.priority, p.min_new_examples, waiting))
             tenants[t.id] = t
         return views, tenants
 
@@ -196,7 +202,14 @@ class Learner:
         if decision.tenant is None:
             return None
         tid = decision.tenant
-        policy = self.policy(tenants[tid])
+        try:
+            return self._train_one(tid, self.policy(tenants[tid]), views)
+        except Exception as e:  # noqa: BLE001 - one tenant's failure must not stop every tenant's training
+            self._failed([tid], e)
+            return None
+
+    def _train_one(self, tid: str, policy: TrainingPolicy, views: list[TenantView]) -> str | None:
+        self._follow_live(tid)
         batch, examples = self._sample(tid, policy)
         if not examples:
             self.scheduler.record(tid, 0.0)
@@ -207,7 +220,53 @@ class Learner:
         self.metrics.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - getattr(self, "_exposed_seen", 0.0)))
         self._exposed_seen = self.store.stats.exposed_s
         self._after_step(tid, policy, batch, examples, result)
+        self._failures.pop(tid, None)
         return tid
+
+    def _failed(self, tenants: list[str], error: BaseException) -> None:
+        """A tenant's step failed (a non-finite gradient, a full disk, an unreadable folder...):
+        logged and counted, and the tenant waits before its next try, longer each time in a
+        row (5 s doubling to 5 min), while every other tenant trains on. Its batch is not
+        skipped: once the cause is fixed it trains on that data."""
+        for tid in tenants:
+            n = self._failures.get(tid, (0, 0.0))[0] + 1
+            wait = min(300.0, 5.0 * 2 ** (n - 1))
+            self._failures[tid] = (n, time.monotonic() + wait)
+            self.metrics.failures.labels(tid).inc()
+            try:
+                self._drop_grads(tid)
+            except Exception:  # noqa: BLE001 - the state itself may be what failed
+                log.exception("clearing %s's gradients after its failed step failed", tid)
+            log.error("training %s failed (%d time(s) in a row; next try in %.0f s): %s", tid, n, wait, error,
+                      exc_info=error)
+
+    def _drop_grads(self, tenant: str) -> None:
+        """Forget what a failed step had accumulated, so that its next step starts clean."""
+        if self.fused is not None and (i := self.fused.slots.slot_of(tenant)) is not None:
+            self.fused.slots.evict(i, self.store)
+        if tenant not in self.store:
+            return
+        st = self.store.state(tenant)
+        buffer = st.buffer.clone()
+        buffer[GRAD].zero_()
+        self.store.put(dataclasses.replace(st, buffer=buffer, micro_steps=0))
+
+    def _follow_live(self, tid: str) -> None:
+        """Train on from the live version when someone else chose it: an operator's rollback or
+        promote (`clora tenant rollback`, the console) changes only the registry; without this
+        the next publish would put the abandoned weights' descendant live again."""
+        st = self.store.peek(tid)
+        ours = st.extras.get("last_published_version")
+        live = self.registry.live_version(tid)
+        if live is None or ours is None or live == ours:
+            return
+        try:
+            self._restore_weights(tid, self.publisher.weights(tid, live), live)
+            log.warning("%s's live version is v%d, not v%d it last published: training on from v%d", tid, live,
+                        ours, live)
+        except AdapterFormatError as e:
+            st.extras["last_published_version"] = live  # not asked again: trains on from its own weights
+            log.error("%s's live v%d is unreadable (%s); training on from its own weights", tid, live, e)
 
     def tick_fused(self) -> tuple[str, ...]:
         """Fused mode: up to `fused_max_tenants` tenants, one fused step. Returns those trained."""
@@ -220,22 +279,35 @@ class Learner:
         decision = self.scheduler.pick_group(views, self.fused.max_tenants)
         work, sampled = [], {}
         for tid in decision.tenants:
-            policy = self.policy(tenants[tid])
-            batch, examples = self._sample(tid, policy)
-            if not examples:
-                self.scheduler.record(tid, 0.0)
-                continue
-            if self._flat(tid, policy, batch, examples):
+            try:
+                self._follow_live(tid)
+                policy = self.policy(tenants[tid])
+                batch, examples = self._sample(tid, policy)
+                if not examples:
+                    self.scheduler.record(tid, 0.0)
+                    continue
+                if self._flat(tid, policy, batch, examples):
+                    continue
+            except Exception as e:  # noqa: BLE001 - as in `tick`
+                self._failed([tid], e)
                 continue
             work.append(TenantWork(tid, examples, policy))
             sampled[tid] = batch
         if not work:
             return ()
-        fused = self.fused.train_step(work)
+        try:
+            fused = self.fused.train_step(work)
+        except Exception as e:  # noqa: BLE001 - the fused step's tenants wait; the others train on
+            self._failed([w.tenant for w in work], e)
+            return ()
         self.metrics.swap_exposed.inc(fused.swap_s)
         results = {r.tenant: r for r in fused.results}
         for w in work:
-            self._after_step(w.tenant, w.policy, sampled[w.tenant], w.examples, results[w.tenant])
+            try:
+                self._after_step(w.tenant, w.policy, sampled[w.tenant], w.examples, results[w.tenant])
+                self._failures.pop(w.tenant, None)
+            except Exception as e:  # noqa: BLE001 - as in `tick`
+                self._failed([w.tenant], e)
         return tuple(r.tenant for r in fused.results)
 
     # --- the reward guard ----------------------------------------------------------------------
@@ -279,7 +351,8 @@ class Learner:
         version. A crash part way leaves a state the next round finishes or accepts: weights
         restored but the bad version still live -> the guard trips again (restoring is
         idempotent); live switched but no note -> only the note is lost."""
-        self._restore_weights(tenant, self.publisher.weights(tenant, verdict.reference))  # unreadable: raises
+        self._restore_weights(tenant, self.publisher.weights(tenant, verdict.reference),  # unreadable: raises
+                              verdict.reference)
         target = self.publisher.rollback(tenant, verdict.reference)
         self.registry.mark_rolled_back(tenant, bad.version,
                                        {"time": time.time(), "to": verdict.reference, **verdict.summary()})
@@ -292,7 +365,7 @@ class Learner:
         log.warning("reward guard rolled %s back from v%d to v%d: %s", tenant, bad.version, target.version,
                     verdict.reason)
 
-    def _restore_weights(self, tenant: str, flat: torch.Tensor) -> None:
+    def _restore_weights(self, tenant: str, flat: torch.Tensor, version: int) -> None:
         """Train on from `flat` (a published version's weights): the master weights are replaced
         and Adam's momentum is cleared (it points along the abandoned trajectory); the second
         moments and the step count stay, so the per-parameter scale stays calibrated and the
@@ -306,6 +379,7 @@ class Learner:
         buffer[EXP_AVG].zero_()
         buffer[GRAD].zero_()
         extras = {k: v for k, v in st.extras.items() if k != "feedback_window"}   # its data is not in these weights
+        extras["last_published_version"] = version                                # the weights it trains on from
         self.store.put(dataclasses.replace(st, buffer=buffer, micro_steps=0, extras=extras))
         self.checkpoint(tenant)
 
@@ -392,7 +466,12 @@ class Learner:
         kind = EXAMPLE_KIND[policy.algorithm]
         held = [e for e in self.buffer.heldout(tenant, kind, self.s.eval_max_examples) if e.kind == kind]
         scores: dict[str, float] = {}
-        live = self.publisher.live_weights(tenant)
+        try:
+            live = self.publisher.live_weights(tenant)
+        except AdapterFormatError as e:  # say, its folder was deleted: gate as if nothing were live
+            log.error("%s's live version is unreadable (%s: %s); gating its candidate without it", tenant, e,
+                      e.__cause__)
+            live = None
         if held:
             scored, how = self.trainer.eval_examples(held, policy)
             cand_losses = dict(zip((e.example_id for e in scored), self.trainer.example_losses(tenant, scored, how)))

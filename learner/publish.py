@@ -17,6 +17,7 @@ way, as a version with step 0 and `imported_from` set, after checking it fits th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from clora.infra.registry import AdapterVersion
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.lora import LoraLayout
 from clora.learner.peft_io import fsync_path, read_adapter, write_adapter
+
+log = logging.getLogger(__name__)
 
 METADATA_FILE = "clora_metadata.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -109,10 +112,19 @@ class Publisher:
             raise PublishError(f"publishing {tenant} v{version} to {final} failed") from e
         self.registry.record_adapter_version(tenant, meta)
         self.registry.set_live_version(tenant, version)
-        self.announce(AdapterEvent(tenant=tenant, action="published", version=version, path=meta.path,
-                                   base_model=self.base_model, parent_version=parent_version,
-                                   metrics={k: float(v) for k, v in eval_scores.items()}))
+        self._announce(AdapterEvent(tenant=tenant, action="published", version=version, path=meta.path,
+                                    base_model=self.base_model, parent_version=parent_version,
+                                    metrics={k: float(v) for k, v in eval_scores.items()}))
         return meta
+
+    def _announce(self, event: AdapterEvent) -> None:
+        """Best effort: the registry already holds the change, and serving polls it; the event
+        only makes the swap sooner. A broker outage must not fail (and so repeat) a publish."""
+        try:
+            self.announce(event)
+        except Exception as e:  # noqa: BLE001 - whatever the producer raises, the version stands
+            log.warning("announcing %s v%d (%s) failed; serving will find it by polling: %s", event.tenant,
+                        event.version, event.action, e)
 
     def import_adapter(self, tenant: str, folder: Path | str) -> tuple[AdapterVersion, torch.Tensor]:
         """Publish the PEFT LoRA adapter in `folder` as `tenant`'s next version (step 0, no
@@ -137,9 +149,9 @@ class Publisher:
         target = versions[to_version]
         read_adapter(Path(target.path), self.layout)  # refuse to make a missing/broken folder live
         self.registry.set_live_version(tenant, to_version)
-        self.announce(AdapterEvent(tenant=tenant, action="rolled_back", version=to_version, path=target.path,
-                                   base_model=self.base_model, parent_version=target.parent_version,
-                                   metrics={"rolled_back_from": float(live) if live is not None else -1.0}))
+        self._announce(AdapterEvent(tenant=tenant, action="rolled_back", version=to_version, path=target.path,
+                                    base_model=self.base_model, parent_version=target.parent_version,
+                                    metrics={"rolled_back_from": float(live) if live is not None else -1.0}))
         return target
 
     def live_weights(self, tenant: str) -> tuple[int, torch.Tensor] | None:
@@ -152,8 +164,6 @@ class Publisher:
     def weights(self, tenant: str, version: int) -> torch.Tensor:
         """The flat weights (P,) of a published version (`AdapterFormatError` when unreadable)."""
         return read_adapter(self.tenant_dir(tenant) / f"v{version}", self.layout)
-
-
 
 
 def read_metadata(folder: Path) -> AdapterVersion:

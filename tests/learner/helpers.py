@@ -84,7 +84,8 @@ class FakeBuffer:
         return max(0, len(self.data.get((tenant, kind), [])) - cursor)
 
     def heldout(self, tenant, kind, n=None):
-        return self.held.get((tenant, kind), [])[:n]
+        held = self.held.get((tenant, kind), [])
+        return held[-n:] if n else held
 
     def version_rewards(self, tenant):
         from clora.ingest.buffers import RewardTally

@@ -181,8 +181,12 @@ def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(w
     acme_before = first.store.state("acme")
     snapshot = (acme_before.buffer.clone(), acme_before.step, acme_before.cursor)
     last_version = reg.live_version("acme")
-    # crash: no shutdown, no flush. A new process starts from the same folders and registry.
+    # crash: no shutdown, no flush, a checkpoint half-written. A new process starts from the same
+    # folders and registry.
+    torn = settings.checkpoints_dir / ".tmp-acme-0badc0de.safetensors"
+    torn.write_bytes(b"\0" * 1024)
     second = _learner(world, tiny_model_dir, events)
+    assert not torn.exists()
     restored = second.store.state("acme")
     assert torch.equal(restored.buffer, snapshot[0]) and (restored.step, restored.cursor) == snapshot[1:]
     while second.tick() is not None:
@@ -190,6 +194,70 @@ def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(w
     versions = [v.version for v in reg.adapter_versions("acme")]
     assert versions == sorted(set(versions)) and max(versions) > last_version
     assert second.store.state("acme").step == 3  # 12 examples, batch 4: nothing trained twice
+
+
+def test_an_operators_rollback_is_trained_on_from_not_published_over(world, tiny_model_dir):
+    """`clora tenant rollback` changes only the registry. The learner must train on from the
+    version made live, or its next publish would put the abandoned weights' descendant live."""
+    _, reg, buf = world
+    reg.tenants["beta"].policy.paused = True
+    lr = _learner(world, tiny_model_dir, [])
+    while lr.tick() is not None:
+        pass
+    assert reg.live_version("acme") == 3
+    reg.set_live_version("acme", 1)                 # the operator's rollback
+    v1 = lr.publisher.weights("acme", 1)
+    started_from = []
+    train_step = lr.trainer.train_step
+    lr.trainer.train_step = lambda tid, *a, **kw: (started_from.append(lr.store.peek(tid).master.clone()),
+                                                   train_step(tid, *a, **kw))[1]
+    for i in range(100, 104):
+        buf.add(sft("acme", i, f"q{i}?", "blue"))
+    assert lr.tick() == "acme"
+    assert torch.allclose(started_from[0], v1, atol=1e-6)
+    newest = reg.adapter_versions("acme")[-1]
+    assert newest.version == 4 and newest.parent_version == 1 and reg.live_version("acme") == 4
+    assert lr.store.peek("acme").extras["last_published_version"] == 4  # followed once, not on every step
+
+
+def test_a_failing_step_backs_its_tenant_off_while_the_others_train(world, tiny_model_dir):
+    lr = _learner(world, tiny_model_dir, [])
+    train_step = lr.trainer.train_step
+
+    def broken_for_acme(tid, *a, **kw):
+        if tid == "acme":
+            raise FloatingPointError("non-finite gradient")
+        return train_step(tid, *a, **kw)
+
+    lr.trainer.train_step = broken_for_acme
+    trained = [lr.tick() for _ in range(6)]
+    assert trained.count("beta") == 3 and "acme" not in trained        # beta trains on, acme waits
+    m = lr.metrics.registry
+    assert m.get_sample_value("clora_learner_failures_total", {"tenant": "acme"}) == 1  # tried once: backed off
+    assert lr.store.peek("acme").cursor == 0                          # its batch was not skipped
+    lr.trainer.train_step = train_step
+    lr._failures["acme"] = (1, 0.0)                                   # the back-off is over
+    assert [lr.tick() for _ in range(3)] == ["acme"] * 3 and "acme" not in lr._failures
+
+
+def test_publishing_survives_a_broker_outage_and_an_unreadable_live_version(world, tiny_model_dir):
+    """The registry holds a version before it is announced (serving polls it); and a live
+    folder someone deleted is gated as if nothing were live, not a crash on every step."""
+    import shutil
+
+    from clora.ingest.producer import BrokerUnavailable
+
+    _, reg, _ = world
+    reg.tenants["beta"].policy.paused = True
+
+    def down(event):
+        raise BrokerUnavailable("broker did not acknowledge")
+
+    lr = _learner(world, tiny_model_dir, [])
+    lr.publisher.announce = down
+    assert lr.tick() == "acme" and reg.live_version("acme") == 1
+    shutil.rmtree(lr.publisher.tenant_dir("acme") / "v1")
+    assert lr.tick() == "acme" and reg.live_version("acme") == 2
 
 
 def test_run_forever_stops_gracefully(world, tiny_model_dir):
