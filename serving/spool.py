@@ -10,10 +10,14 @@ consumers de-duplicate on the event id.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,11 +105,26 @@ class DiskSpool:
                 if not line.endswith(b"\n"):
                     break  # a torn last line from a crash mid-write: never acknowledged, skip
                 pos += len(line)
-                rec = json.loads(line)
-                out.append(SpooledRecord(rec["topic"], rec["key"], rec["value"], pos))
+                try:
+                    rec = json.loads(line)
+                    out.append(SpooledRecord(rec["topic"], rec["key"], rec["value"], pos))
+                except (ValueError, KeyError, TypeError):  # a damaged line (the disk, not a crash)
+                    self._set_aside(line)
+                    if out:  # acknowledged with the record before it
+                        out[-1] = dataclasses.replace(out[-1], end=pos)
+                    else:    # nothing before it to send: passed at once
+                        self._write_offset(pos)
                 if len(out) >= limit:
                     break
         return out
+
+    def _set_aside(self, line: bytes) -> None:
+        """Keep a line no one can read in `rejected.jsonl`, so it does not block the lines after it."""
+        with open(self.dir / "rejected.jsonl", "ab") as f:
+            f.write(json.dumps({"unreadable_spool_line": line.decode(errors="replace")}).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        log.error("set aside an unreadable line of %s in %s", self.data, self.dir / "rejected.jsonl")
 
     def count(self) -> int:
         """Records not yet acknowledged (reads the file: for tests and metrics)."""

@@ -110,6 +110,24 @@ def test_spool_cuts_a_torn_last_line_before_appending_after_it(tmp_path):
     assert s.empty() and s.size() == 0
 
 
+def test_a_damaged_spool_line_is_set_aside_not_blocking_the_rest(tmp_path):
+    s = DiskSpool(tmp_path)
+    with open(s.data, "ab") as f:  # damaged by the disk: whole lines that are not records
+        f.write(b"\x00\x00garbage\n")
+    s.close()
+    s = DiskSpool(tmp_path)
+    s.append([("t", "k1", "v1")])
+    with open(s.data, "ab") as f:
+        f.write(b'{"topic": "t"}\n')
+    s.append([("t", "k2", "v2")])
+    recs = s.pending()
+    assert [r.value for r in recs] == ["v1", "v2"]
+    s.ack(recs[-1].end)
+    assert s.empty()
+    rejected = (tmp_path / "rejected.jsonl").read_text().splitlines()
+    assert len(rejected) == 2 and "garbage" in rejected[0]
+
+
 class FlakyProducer:
     def __init__(self):
         self.up = False
