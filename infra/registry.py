@@ -294,6 +294,11 @@ class Registry:
         self.r.hset(self._tkey(tenant_id) + ":versions", str(version), meta.model_dump_json())
         return meta
 
+    def delete_adapter_versions(self, tenant_id: str, versions: list[int]) -> None:
+        """Forget old versions (the learner's retention): nothing resolves them from then on."""
+        if versions:
+            self.r.hdel(self._tkey(tenant_id) + ":versions", *(str(v) for v in versions))
+
     def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]:
         raw = self.r.hgetall(self._tkey(tenant_id) + ":versions")
         return sorted((AdapterVersion.model_validate_json(v) for v in raw.values()), key=lambda v: v.version)

@@ -502,6 +502,11 @@ class Learner:
         self.checkpoint(tenant)
         self.metrics.publishes.labels(tenant, "published").inc()
         log.info("published %s v%d (%s)", tenant, version.version, decision.reason)
+        try:
+            if gone := self.publisher.prune(tenant, self.s.keep_versions):
+                log.info("deleted %s's versions %s (keeping %d)", tenant, gone, self.s.keep_versions)
+        except Exception:  # noqa: BLE001 - retention must never fail a publish; the next one retries
+            log.exception("deleting %s's old versions failed", tenant)
         return version
 
     def _live_loss(self, tenant: str, live: tuple[int, torch.Tensor], scored: list, how: TrainingPolicy) -> float:

@@ -45,6 +45,7 @@ class PublishError(RuntimeError):
 class RegistryLike(Protocol):
     def record_adapter_version(self, tenant_id: str, version: AdapterVersion) -> None: ...
     def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]: ...
+    def delete_adapter_versions(self, tenant_id: str, versions: list[int]) -> None: ...
     def set_live_version(self, tenant_id: str, version: int | None) -> None: ...
     def live_version(self, tenant_id: str) -> int | None: ...
 
@@ -83,6 +84,30 @@ class Publisher:
         for p in removed:
             shutil.rmtree(p)
         return removed
+
+    def prune(self, tenant: str, keep: int) -> list[int]:
+        """Delete every version but the newest `keep`, the live one and its `keep` newest
+        ancestors (where the reward guard rolls back to): their registry records first, so
+        nothing resolves them from then on, then their folders (and folders a crash left between
+        the two). A replica that has one loaded keeps serving it until it unloads it. Returns
+        the versions deleted."""
+        if keep < 1:
+            return []
+        versions = {v.version: v for v in self.registry.adapter_versions(tenant)}
+        kept = set(sorted(versions)[-keep:])
+        v = self.registry.live_version(tenant)
+        for _ in range(keep + 1):
+            if v is None or v not in versions:
+                break
+            kept.add(v)
+            v = versions[v].parent_version
+        gone = sorted(set(versions) - kept)
+        self.registry.delete_adapter_versions(tenant, gone)
+        oldest_kept = min(kept, default=0)
+        for n in self.versions_on_disk(tenant):
+            if n not in kept and (n in gone or n < oldest_kept):
+                shutil.rmtree(self.tenant_dir(tenant) / f"v{n}", ignore_errors=True)
+        return gone
 
     def publish(self, tenant: str, flat: torch.Tensor, *, step: int, examples_seen: int,
                 eval_scores: dict[str, float], parent_version: int | None = None,

@@ -58,6 +58,9 @@ class LearnerSettings(BaseSettings):
     gradient or a wrong one. False samples RL like SFT (`fresh_fraction`)."""
     dpo_beta: float = Field(default=0.1, gt=0)
     rl_clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    keep_versions: int = Field(default=50, ge=0)
+    """Versions kept per tenant: the newest this many, the live one and as many of its ancestors;
+    older ones are deleted (registry record and folder) after each publish. 0 keeps them all."""
     publish_every: int = Field(default=1, ge=1)
     """Evaluate and maybe publish after every k optimizer steps of a tenant."""
     eval_max_examples: int = Field(default=64, ge=1)

@@ -98,6 +98,17 @@ def _versions(registry, tenant_id, n):
     registry.set_live_version(tenant_id, n)
 
 
+def test_versions_the_learner_deleted_are_gone_from_the_api(console, registry, tenant_id, request):
+    registry.create_tenant(tenant_id)
+    _versions(registry, tenant_id, 4)
+    request.addfinalizer(lambda: registry.set_live_version(tenant_id, None))
+    registry.delete_adapter_versions(tenant_id, [1, 2])  # the learner's retention
+    listed = httpx.get(f"{console.url}/api/tenants/{tenant_id}/versions", headers=admin(console)).json()
+    assert [v["version"] for v in listed["versions"]] == [3, 4] and listed["live"] == 4
+    r = httpx.post(f"{console.url}/api/tenants/{tenant_id}/versions/1/promote", headers=admin(console))
+    assert r.status_code == 404
+
+
 def test_rollback_and_promote_are_announced(stack, console, registry, tenant_id, request):
     registry.create_tenant(tenant_id)
     _versions(registry, tenant_id, 3)

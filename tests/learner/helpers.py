@@ -63,6 +63,10 @@ class FakeRegistry:
     def adapter_versions(self, tenant_id):
         return [self.versions[tenant_id][v] for v in sorted(self.versions.get(tenant_id, {}))]
 
+    def delete_adapter_versions(self, tenant_id, versions):
+        for v in versions:
+            self.versions.get(tenant_id, {}).pop(v, None)
+
     def set_live_version(self, tenant_id, version):
         self.live[tenant_id] = version
 

@@ -260,6 +260,17 @@ def test_publishing_survives_a_broker_outage_and_an_unreadable_live_version(worl
     assert lr.tick() == "acme" and reg.live_version("acme") == 2
 
 
+def test_the_learner_keeps_only_its_newest_versions(world, tiny_model_dir):
+    settings, reg, buf = world
+    reg.tenants["beta"].policy.paused = True
+    lr = _learner((settings.model_copy(update={"keep_versions": 1}), reg, buf), tiny_model_dir, [])
+    while lr.tick() is not None:
+        pass
+    # the newest one, live, and its parent (where the reward guard would roll back to)
+    assert [v.version for v in reg.adapter_versions("acme")] == [2, 3] and reg.live_version("acme") == 3
+    assert lr.publisher.versions_on_disk("acme") == [2, 3]
+
+
 def test_run_forever_stops_gracefully(world, tiny_model_dir):
     events = []
     lr = _learner(world, tiny_model_dir, events)

@@ -46,6 +46,19 @@ def test_publish_writes_records_and_announces(pub):
     assert [(e.action, e.version, e.path) for e in events] == [("published", 1, v1.path), ("published", 2, v2.path)]
 
 
+def test_prune_keeps_the_newest_the_live_one_and_its_ancestors(pub):
+    p, _ = pub
+    for i in range(1, 9):  # v1..v8, each the child of the one before
+        p.publish("acme", _flat(p, i), step=i, examples_seen=i, eval_scores={}, parent_version=i - 1 or None)
+    p.rollback("acme", 3)  # the live version is old now
+    (p.tenant_dir("acme") / "v0").mkdir()  # a folder a crash left between registry and disk
+    assert p.prune("acme", 2) == [4, 5, 6]
+    assert [v.version for v in p.registry.adapter_versions("acme")] == [1, 2, 3, 7, 8]  # newest 2; v3, 2 ancestors
+    assert p.versions_on_disk("acme") == [1, 2, 3, 7, 8]
+    assert torch.equal(p.weights("acme", 8), _flat(p, 8))
+    assert p.prune("acme", 0) == [] and p.prune("acme", 2) == []
+
+
 def test_rollback_makes_earlier_version_live(pub):
     p, events = pub
     for i in range(3):
