@@ -88,16 +88,17 @@ class InteractionLogger:
         stopping = False
         while not stopping:
             batch, stopping = self._take(carry)
+            carry = []
             try:
                 if not self.spool.empty():
                     self._append(batch)
+                    batch = []  # durable: not to be spooled twice if the drain fails
                     self._drain_spool()
                 elif batch and not self._send(batch):
                     self._append(batch)
-                carry = []
             except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+                carry = batch  # neither sent nor spooled
                 log.exception("logging %d interaction events failed; retrying in %.1f s", len(batch), self.retry_s)
-                carry = batch
                 if stopping:
                     log.error("stopping with %d interaction events neither sent nor spooled", len(batch))
                 else:

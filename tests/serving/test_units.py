@@ -242,6 +242,31 @@ def test_the_logger_outlives_an_unexpected_error_and_keeps_the_batch(tmp_path):
     lg.stop()
 
 
+class _FailingOnceReadSpool(DiskSpool):
+    def __init__(self, dir):
+        super().__init__(dir)
+        self.failures = 0
+
+    def pending(self, limit=1000):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(5, "Input/output error")
+        return super().pending(limit)
+
+
+def test_a_batch_already_spooled_is_not_spooled_again_when_the_drain_fails(tmp_path):
+    prod = FlakyProducer()
+    lg = InteractionLogger(lambda: prod, _FailingOnceReadSpool(tmp_path), retry_s=0.05).start()
+    lg.submit(_event(0))  # broker down: spooled
+    assert _wait(lambda: lg.spool.count() == 1)
+    lg.spool.failures = 1
+    lg.submit(_event(1))  # appended to the spool, then the drain's read fails once
+    assert _wait(lambda: lg.spool.failures == 0 and lg.spool.count() == 2)
+    prod.up = True
+    assert _wait(lambda: prod.got == ["i0", "i1"]), prod.got  # each once
+    lg.stop()
+
+
 class _Hanging:
     def get(self, timeout=None):
         import time
