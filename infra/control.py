@@ -107,6 +107,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
             "buffer_depth": {k: buffers.depth(t.id, k) for k in EXAMPLE_KINDS},
             "heldout_depth": {k: buffers.depth(t.id, k, heldout=True) for k in EXAMPLE_KINDS},
             "reward_trend": [p.get("reward") for p in history if p.get("reward") is not None],
+            "training_error": _training_error(history),
         }
 
     def announce(tenant_id: str, action: str, version: int) -> None:
@@ -305,3 +306,14 @@ def build(kafka_bootstrap: str, redis_url: str, admin_token: str, ingest_group: 
     producer = EventProducer(kafka_bootstrap, timeout_s=5.0)
     return create_control_app(Registry(client), ReplayBuffer(client), admin_token, publish=producer.send_sync,
                               ingest_group=ingest_group)
+
+
+def _training_error(history: list[dict]) -> dict | None:
+    """The learner's last failure on this tenant, unless a step or a publish succeeded since."""
+    for point in reversed(history):
+        if "failed" in point:
+            return {"error": point["failed"], "time": point.get("time"), "failures": point.get("failures"),
+                    "retry_in_s": point.get("retry_in_s")}
+        if point.get("loss") is not None or point.get("version") is not None:
+            return None
+    return None

@@ -239,6 +239,8 @@ class Learner:
                 log.exception("clearing %s's gradients after its failed step failed", tid)
             log.error("training %s failed (%d time(s) in a row; next try in %.0f s): %s", tid, n, wait, error,
                       exc_info=error)
+            self._history(tid, {"failed": f"{type(error).__name__}: {error}"[:500], "failures": n,   # the console
+                                "retry_in_s": wait})                                            # shows it
 
     def _drop_grads(self, tenant: str) -> None:
         """Forget what a failed step had accumulated, so that its next step starts clean."""

@@ -94,7 +94,8 @@ async function renderOverview(first) {
   const dlq = await api("/dlq?n=20");
   const rows = data.tenants.map(t => el("tr", { "data-tenant": t.id },
     el("td", {}, el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), el("div", { class: "muted" }, t.name)),
-    el("td", {}, el("span", { class: "pill " + (t.paused ? "paused" : "learning") }, t.paused ? "paused" : "learning")),
+    el("td", {}, el("span", { class: "pill " + (t.paused ? "paused" : "learning") }, t.paused ? "paused" : "learning"),
+      t.training_error ? el("div", { class: "pill failing", title: t.training_error.error }, "training fails") : ""),
     el("td", { class: "live" }, t.live_version === null ? "base" : "v" + t.live_version,
       t.rollbacks ? el("div", { class: "rolled-back", title: "versions the reward guard rolled back" }, `${t.rollbacks} rolled back`) : ""),
     el("td", { class: "depth" }, `${t.buffer_depth.sft} / ${t.buffer_depth.preference} / ${t.buffer_depth.rl}`),
@@ -167,7 +168,9 @@ async function renderTenant(id, first) {
     el("span", {}, "live: "), el("span", { class: "live", id: "live-version" }, versions.live === null ? "base" : "v" + versions.live), " ",
     el("button", { id: "pause-toggle", onclick: () => act(() => api(`/tenants/${enc}/${t.paused ? "resume" : "pause"}`, { method: "POST" })) },
       t.paused ? "resume learning" : "pause learning"), " ",
-    el("button", { id: "rollback", onclick: () => act(() => api(`/tenants/${enc}/rollback`, { method: "POST", body: "{}" })) }, "roll back"));
+    el("button", { id: "rollback", onclick: () => act(() => api(`/tenants/${enc}/rollback`, { method: "POST", body: "{}" })) }, "roll back"),
+    t.training_error ? el("p", { class: "error", id: "training-error" },
+      `training fails (${t.training_error.failures} time(s) in a row, next try in ${Math.round(t.training_error.retry_in_s)} s): ${t.training_error.error}`) : "");
   const pts = metrics.points;
   const series = (key, color) => ({ name: key, color, points: pts.map(p => [p.step ?? p.time, p[key]]) });
   document.getElementById("chart-reward").replaceChildren(lineChart([series("reward", "#3fb950")], { title: "reward" }));

@@ -116,6 +116,8 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
             step=10 * v, examples_seen=64 * v, eval_scores={"heldout": 0.2 * v}, rolled_back=guard))
         registry.append_metrics(tenant_id, {"step": 10 * v, "loss": 2.0 / v, "reward": 0.3 * v, "eval": 0.2 * v})
     registry.set_live_version(tenant_id, 3)
+    registry.append_metrics(tenant_id, {"failed": "FloatingPointError: non-finite gradient", "failures": 2,
+                                        "retry_in_s": 10.0})   # the learner's last try failed
     minute = int(time.time() // 60)
     registry.add_traffic({(tenant_id, minute - 2): {"requests": 7, "ok": 5, "latency_s": 2.5, "refused": 2},
                           (tenant_id, minute): {"requests": 3, "ok": 3, "latency_s": 0.6}})
@@ -130,8 +132,12 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
     page.goto(page.url.split("#")[0] + "#/")
     assert page.inner_text(f"tr[data-tenant='{tenant_id}'] .rolled-back", timeout=10_000) == "1 rolled back"
     assert page.inner_text(f"tr[data-tenant='{tenant_id}'] td.traffic") == "10"  # the last hour's requests
+    failing = page.locator(f"tr[data-tenant='{tenant_id}'] .pill.failing")
+    assert failing.inner_text() == "training fails" and "non-finite" in failing.get_attribute("title")
     page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
     page.wait_for_selector("#live-version:has-text('v3')")
+    assert page.inner_text("#training-error") == ("training fails (2 time(s) in a row, next try in 10 s): "
+                                                  "FloatingPointError: non-finite gradient")
     assert page.locator("#chart-reward path.line").count() == 1
     assert page.inner_text("tr[data-version='3'] td.served-reward") == "0.67 (3)"
     assert page.locator("#chart-served circle.dot").count() == 1   # only v3 served scored answers

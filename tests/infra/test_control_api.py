@@ -109,6 +109,21 @@ def test_versions_the_learner_deleted_are_gone_from_the_api(console, registry, t
     assert r.status_code == 404
 
 
+def test_a_failing_tenant_shows_its_last_error_until_a_step_succeeds(console, registry, tenant_id):
+    registry.create_tenant(tenant_id)
+
+    def summary() -> dict:
+        return httpx.get(f"{console.url}/api/tenants/{tenant_id}", headers=admin(console)).json()
+
+    assert summary()["training_error"] is None
+    registry.append_metrics(tenant_id, {"step": 1, "loss": 0.5})
+    registry.append_metrics(tenant_id, {"failed": "OSError: [Errno 28] No space left on device", "failures": 1,
+                                        "retry_in_s": 5.0})
+    assert summary()["training_error"]["error"] == "OSError: [Errno 28] No space left on device"
+    registry.append_metrics(tenant_id, {"step": 2, "loss": 0.4})   # it trains again
+    assert summary()["training_error"] is None
+
+
 def test_rollback_and_promote_are_announced(stack, console, registry, tenant_id, request):
     registry.create_tenant(tenant_id)
     _versions(registry, tenant_id, 3)

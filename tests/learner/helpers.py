@@ -49,6 +49,7 @@ class FakeRegistry:
         self.tenants = {t.id: t for t in tenants}
         self.versions: dict[str, dict[int, object]] = {}
         self.live: dict[str, int | None] = {}
+        self.history: dict[str, list[dict]] = {}
 
     def list_tenants(self):
         return list(self.tenants.values())
@@ -62,6 +63,9 @@ class FakeRegistry:
 
     def adapter_versions(self, tenant_id):
         return [self.versions[tenant_id][v] for v in sorted(self.versions.get(tenant_id, {}))]
+
+    def append_metrics(self, tenant_id, point):
+        self.history.setdefault(tenant_id, []).append(point)
 
     def delete_adapter_versions(self, tenant_id, versions):
         for v in versions:

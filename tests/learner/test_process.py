@@ -235,6 +235,8 @@ def test_a_failing_step_backs_its_tenant_off_while_the_others_train(world, tiny_
     m = lr.metrics.registry
     assert m.get_sample_value("clora_learner_failures_total", {"tenant": "acme"}) == 1  # tried once: backed off
     assert lr.store.peek("acme").cursor == 0                          # its batch was not skipped
+    failed = [p for p in lr.registry.history["acme"] if "failed" in p]   # for the console
+    assert failed == [{"failed": "FloatingPointError: non-finite gradient", "failures": 1, "retry_in_s": 5.0}]
     lr.trainer.train_step = train_step
     lr._failures["acme"] = (1, 0.0)                                   # the back-off is over
     assert [lr.tick() for _ in range(3)] == ["acme"] * 3 and "acme" not in lr._failures
