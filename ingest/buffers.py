@@ -445,9 +445,10 @@ class ReplayBuffer:
         return [None if raw is None else InteractionEvent.model_validate_json(raw) for raw in raws]
 
     def heldout(self, tenant: str, kind: Kind, n: int | None = None) -> list:
-        """The newest `n` held-out examples (all of them when n is None), oldest first: the
-        publish gate judges a candidate on today's traffic, not on the tenant's first days."""
-        ids = self.r.zrange(tkey(tenant, "held", kind), 0 if n is None else -n, -1)
+        """The oldest `n` held-out examples (all of them when n is None), oldest first. Not the
+        newest: on RL those are the live version's own samples, which it scores better than any
+        candidate (tried: the RL loop's gate then refused every version after its 5th)."""
+        ids = self.r.zrange(tkey(tenant, "held", kind), 0, -1 if n is None else n - 1)
         return self._load(tkey(tenant, "held", kind, "ex"), ids)
 
     def latest(self, tenant: str, kind: Kind, n: int = 20) -> list:

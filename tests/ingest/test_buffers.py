@@ -163,7 +163,7 @@ def test_heldout_split_is_stable_and_separate(redis_client, tenant_id):
     assert held and not held & train and len(held | train) == 200
     assert all(is_heldout(x, 0.2) for x in held) and 20 <= len(held) <= 60
     ordered = [e.example_id for e in buf.heldout(tenant_id, "sft")]
-    assert [e.example_id for e in buf.heldout(tenant_id, "sft", 5)] == ordered[-5:]  # the gate's: the newest
+    assert [e.example_id for e in buf.heldout(tenant_id, "sft", 5)] == ordered[:5]  # the gate's: the oldest
 
 
 def test_feedback_first_then_interaction_joins_once(redis_client, tenant_id):

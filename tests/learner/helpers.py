@@ -92,8 +92,7 @@ class FakeBuffer:
         return max(0, len(self.data.get((tenant, kind), [])) - cursor)
 
     def heldout(self, tenant, kind, n=None):
-        held = self.held.get((tenant, kind), [])
-        return held[-n:] if n else held
+        return self.held.get((tenant, kind), [])[:n]
 
     def version_rewards(self, tenant):
         from clora.ingest.buffers import RewardTally
