@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from clora.learner.adapter_store import AdapterState
+from clora.learner.peft_io import fsync_path
 
 SUFFIX = ".safetensors"
 
@@ -40,17 +41,9 @@ def save_checkpoint(root: Path | str, state: AdapterState, layout_numel: int) ->
     try:
         save_file({"buffer": state.buffer.contiguous(), "rng_state": state.rng_state},
                   tmp, metadata={"clora_state": json.dumps(meta)})
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, final)
-        fd = os.open(root, os.O_RDONLY)  # the rename itself survives a power loss only once its folder is synced
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(root)  # the rename itself survives a power loss only once its folder is synced
     except (OSError, TypeError, ValueError) as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"checkpointing {state.tenant} (step {state.step}) to {final} failed") from e

@@ -244,14 +244,19 @@ class Learner:
 
     def _drop_grads(self, tenant: str) -> None:
         """Forget what a failed step had accumulated, so that its next step starts clean."""
-        if self.fused is not None and (i := self.fused.slots.slot_of(tenant)) is not None:
-            self.fused.slots.evict(i, self.store)
         if tenant not in self.store:
             return
-        st = self.store.state(tenant)
-        buffer = st.buffer.clone()
+        st, buffer = self._state_to_edit(tenant)
         buffer[GRAD].zero_()
         self.store.put(dataclasses.replace(st, buffer=buffer, micro_steps=0))
+
+    def _state_to_edit(self, tenant: str):
+        """(the tenant's state, a copy of its buffer): its fused copy is written back and dropped
+        first, so that the caller's `store.put` of the edited copy is the only one left."""
+        if self.fused is not None and (i := self.fused.slots.slot_of(tenant)) is not None:
+            self.fused.slots.evict(i, self.store)
+        st = self.store.state(tenant)
+        return st, st.buffer.clone()
 
     def _follow_live(self, tid: str) -> None:
         """Train on from the live version when someone else chose it: an operator's rollback or
@@ -373,10 +378,7 @@ class Learner:
         moments and the step count stay, so the per-parameter scale stays calibrated and the
         first updates ramp up as momentum rebuilds. Steps, examples seen and the cursor stay:
         the data consumed since is not trained on again. Checkpointed at once."""
-        if self.fused is not None and (i := self.fused.slots.slot_of(tenant)) is not None:
-            self.fused.slots.evict(i, self.store)
-        st = self.store.state(tenant)
-        buffer = st.buffer.clone()
+        st, buffer = self._state_to_edit(tenant)
         buffer[MASTER].copy_(flat)
         buffer[EXP_AVG].zero_()
         buffer[GRAD].zero_()

@@ -127,8 +127,11 @@ class Recorder:
     """One request's response as it passes through; builds its interaction events."""
 
     def __init__(self, *, kind: Kind, body: dict[str, Any], tenant: str, interaction_id: str,
-                 ref: AdapterRef | None, client_model: str):
+                 ref: AdapterRef | None, client_model: str, messages: list[Message] | None = None):
+        """`messages`: the body's `recorded_messages`, when the caller has them already (the
+        gateway checks them before serving); computed here otherwise (raises `Unrecordable`)."""
         self.kind, self.body, self.tenant, self.interaction_id = kind, body, tenant, interaction_id
+        self.messages = messages if messages is not None else recorded_messages(body, kind)
         self.ref, self.client_model = ref, client_model
         self.wants_logprobs, self.wants_token_ids = _client_wants(body, kind)
         self.choices: dict[int, _Choice] = {}
@@ -221,7 +224,6 @@ class Recorder:
         metadata = self.body.get("metadata") or {}
         group = metadata.get("group_id") or (self.interaction_id if len(ids) > 1 else None)
         try:
-            messages = recorded_messages(self.body, self.kind)
             out = []
             for index, ch in sorted(self.choices.items()):
                 calls = [{"id": tc["id"] or f"call-{self.interaction_id}-{i}", "type": "function",
@@ -233,13 +235,13 @@ class Recorder:
                 out.append(InteractionEvent(
                     tenant=self.tenant, interaction_id=ids[index] if index < len(ids) else f"{self.interaction_id}-{index}",
                     adapter=self.ref.name if self.ref else None, adapter_version=self.ref.version if self.ref else None,
-                    messages=messages, tools=self.body.get("tools"), response=response,
+                    messages=self.messages, tools=self.body.get("tools"), response=response,
                     prompt_token_ids=self.prompt_token_ids, completion_token_ids=ch.token_ids,
                     completion_logprobs=lps, sampling=sampling, group_id=group, latency_ms=latency_ms,
                     episode_id=metadata.get("episode_id"),
                 ))
             return out
-        except (ValidationError, Unrecordable) as e:  # the gateway checked the request: the response failed
+        except ValidationError as e:  # the messages were checked before serving: the response failed
             log.error("interaction %s (tenant %s) cannot be recorded as an event: %s", self.interaction_id,
                       self.tenant, e)
             return []

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from clora.infra.registry import ApiKeyPrincipal, Registry, RegistryError
-from clora.ingest.schemas import Id
+from clora.ingest.schemas import Id, Message
 from clora.serving import errors
 from clora.serving.aliases import AdapterRef, parse_model
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
@@ -104,7 +104,9 @@ class Gateway:
             raise errors.bad_request("request body must be a JSON object")
         return body
 
-    def validate(self, body: dict[str, Any], kind: Kind) -> None:
+    def validate(self, body: dict[str, Any], kind: Kind) -> list[Message]:
+        """Refuse a request the gateway would not serve or could not record (400 naming the
+        field); returns its messages as its interaction event will record them."""
         if not isinstance(body.get("model"), str) or not body["model"]:
             raise errors.bad_request("you must provide a model parameter", "model")
         if kind == "chat" and (not isinstance(body.get("messages"), list) or not body["messages"]):
@@ -112,7 +114,7 @@ class Gateway:
         if kind == "completion" and body.get("prompt") in (None, "", []):
             raise errors.bad_request("prompt must be given", "prompt")
         try:
-            recorded_messages(body, kind)
+            messages = recorded_messages(body, kind)
         except Unrecordable as e:
             raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
         for param in ("max_tokens", "max_completion_tokens"):
@@ -138,6 +140,7 @@ class Gateway:
             if name == "episode_id" and (n or 1) > 1:
                 raise errors.bad_request(f"metadata.episode_id: a request with n = {n} starts {n} episodes; it "
                                          "cannot continue one", "metadata.episode_id")
+        return messages
 
     async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
         """The adapter `model` names for this caller (None: the base model)."""
@@ -176,7 +179,7 @@ class Gateway:
     async def _complete(self, principal: ApiKeyPrincipal, request: Request, kind: Kind, path: str,
                         started: float) -> Response:
         body = await self.read_json(request)
-        self.validate(body, kind)
+        messages = self.validate(body, kind)
         ref = await self.resolve(principal, body["model"])
         self.quota.acquire(principal.tenant)
         stack = contextlib.AsyncExitStack()
@@ -195,7 +198,7 @@ class Gateway:
             stack.callback(in_flight.dec)
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
-                           client_model=ref.name if ref else self.engine.settings.base_name)
+                           client_model=ref.name if ref else self.engine.settings.base_name, messages=messages)
             for iid in rec.interaction_ids():
                 await asyncio.to_thread(self.registry.claim_interaction, iid, principal.tenant)
             up = upstream_body(body, kind, lease.model, self.cache_salt(principal.tenant))

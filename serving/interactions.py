@@ -13,9 +13,7 @@ for the next round instead of ending the thread.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -166,10 +164,7 @@ class InteractionLogger:
 
     def _reject(self, record: Record, error: BaseException) -> None:
         topic, key, value = record
-        with open(self.spool.dir / "rejected.jsonl", "ab") as f:
-            f.write(json.dumps({"topic": topic, "key": key, "value": value, "error": repr(error)}).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self.spool.set_aside({"topic": topic, "key": key, "value": value, "error": repr(error)})
         self.rejected += 1
         log.error("the broker refused an interaction event of tenant %s for good (%s); set aside in %s",
-                  key, error, self.spool.dir / "rejected.jsonl")
+                  key, error, self.spool.rejected_file)

@@ -1,6 +1,7 @@
 """Prometheus metrics of the gateway: requests by tenant and status, latency, time to the first
 streamed token, tokens, interactions that could not be recorded, hot swaps, and the engine's
-replicas and resident adapters. `GET /metrics` on the gateway serves them.
+replicas and resident adapters, the interaction logger's deliveries. `ServingService` serves
+them on `GatewaySettings.metrics_port` (127.0.0.1: they name tenants), not on the public port.
 
 Metrics live in an injected `CollectorRegistry` (a fresh one by default), so several gateways
 can coexist in one test process.

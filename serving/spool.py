@@ -35,6 +35,7 @@ class DiskSpool:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.data = self.dir / "spool.jsonl"
         self.offset_file = self.dir / "spool.offset"
+        self.rejected_file = self.dir / "rejected.jsonl"
         self._fh = open(self.data, "ab")
         self._cut_torn_tail()
         size = self._fh.tell()
@@ -109,7 +110,8 @@ class DiskSpool:
                     rec = json.loads(line)
                     out.append(SpooledRecord(rec["topic"], rec["key"], rec["value"], pos))
                 except (ValueError, KeyError, TypeError):  # a damaged line (the disk, not a crash)
-                    self._set_aside(line)
+                    self.set_aside({"unreadable_spool_line": line.decode(errors="replace")})
+                    log.error("set aside an unreadable line of %s in %s", self.data, self.rejected_file)
                     if out:  # acknowledged with the record before it
                         out[-1] = dataclasses.replace(out[-1], end=pos)
                     else:    # nothing before it to send: passed at once
@@ -118,13 +120,13 @@ class DiskSpool:
                     break
         return out
 
-    def _set_aside(self, line: bytes) -> None:
-        """Keep a line no one can read in `rejected.jsonl`, so it does not block the lines after it."""
-        with open(self.dir / "rejected.jsonl", "ab") as f:
-            f.write(json.dumps({"unreadable_spool_line": line.decode(errors="replace")}).encode() + b"\n")
+    def set_aside(self, entry: dict) -> None:
+        """Durably keep what can never be sent (an unreadable line, a record the broker refuses
+        for good) in `rejected.jsonl`, so that it holds up nothing after it."""
+        with open(self.rejected_file, "ab") as f:
+            f.write(json.dumps(entry).encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
-        log.error("set aside an unreadable line of %s in %s", self.data, self.dir / "rejected.jsonl")
 
     def count(self) -> int:
         """Records not yet acknowledged (reads the file: for tests and metrics)."""

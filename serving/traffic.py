@@ -27,10 +27,15 @@ CLIENT_LEFT = 499
 """The status a stream counts with when its client went away before the end."""
 
 
+def _no_counts() -> dict[tuple[str, int], dict[str, float]]:
+    """(tenant, minute) -> counter -> value, every one starting at 0."""
+    return defaultdict(lambda: defaultdict(float))
+
+
 class TrafficRollup:
     def __init__(self, registry: Registry, *, flush_s: float = 5.0, clock=time.time):
         self.registry, self.flush_s, self.clock = registry, flush_s, clock
-        self.pending: dict[tuple[str, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.pending = _no_counts()
         self._task: asyncio.Task | None = None
 
     def answered(self, tenant: str, status: int, seconds: float) -> None:
@@ -51,7 +56,7 @@ class TrafficRollup:
 
     async def flush(self) -> None:
         """Add what was counted since the last flush to Redis (kept for the next one on failure)."""
-        batch, self.pending = self.pending, defaultdict(lambda: defaultdict(float))
+        batch, self.pending = self.pending, _no_counts()
         if not batch:
             return
         try:
