@@ -3,7 +3,6 @@
 | module            | owns |
 |-------------------|------|
 | `tools`           | `Tool`, `ToolRegistry`, the safe `Calculator` and `FinalAnswer` |
-| `chat_template`   | the tool-aware ChatML template the engine and learner share, `render`, `parse_tool_calls` |
 | `runtime`         | the agent loop on the OpenAI API (`Agent`, `AsyncAgent`) and `EpisodeTrace` |
 | `envs`            | environments with rewards: arithmetic (tools), support style, structured output |
 | `feedback`        | the feedback webhook client (batches, retries on 503 with the same event ids) |

@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-from clora.ingest.schemas import FeedbackIn, new_id
+from clora.ids import new_id
+from clora.ingest.schemas import FeedbackIn
 
 RETRY_STATUSES = (502, 503, 504)
 

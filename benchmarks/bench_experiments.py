@@ -3,7 +3,7 @@
     python benchmarks/bench_experiments.py [--n 1,2,4,8 --steps 5 --algorithm rl --model smollm2]
                                            [--init-adapter ./my-lora]   # every tenant starts from it (v1)
 
-The same as `clora bench experiments` (the logic lives in `clora.agents.experiments`, so
+The same as `clora bench experiments` (the logic lives in `clora.infra.experiments`, so
 the installed CLI has it too). Prints a table, writes bench-results/experiments.json and
 bench-results/experiments.png (mean reward vs step per mode).
 """

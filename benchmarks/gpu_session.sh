@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/site}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 mkdir -p "$SITE/clora"
-cp clora_pkg/__init__.py "$SITE/clora/"
+for f in core/*.py; do ln -sfn "$PWD/$f" "$SITE/clora/$(basename "$f")"; done
 for d in ingest serving learner kernels agents infra; do ln -sfn "$PWD/$d" "$SITE/clora/$d"; done
 export PYTHONPATH="$SITE"
 MODEL_DIR=.gpu/smollm2-shape

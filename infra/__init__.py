@@ -1,1 +1,14 @@
-"""clora.infra"""
+"""clora.infra: the top, the infrastructure that runs everything. It composes the parts, and
+no part imports it.
+
+| module        | owns |
+|---------------|------|
+| `cli`         | the `clora` command |
+| `platform`    | `clora up`: every service as a supervised process |
+| `stack`       | the embedded broker (Tansu) and Redis, or the external ones configured |
+| `supervisor`  | `ManagedProcess`: start, health-check, restart and stop one child |
+| `settings`    | the embedded broker's, Redis's and the console's settings |
+| `control`     | the control-plane API and the tenant admin console (`static/`) |
+| `demo`        | `clora demo`: three tenants learning from simulated traffic |
+| `experiments` | `clora bench experiments`: concurrent RL experiments against sequential ones |
+"""

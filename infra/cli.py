@@ -25,8 +25,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from clora.infra.settings import (HTTP_KEEP_ALIVE_S, ConsoleSettings, IngestSettings, PlatformSettings,
-                                  WebhookSettings)
+from clora.infra.settings import ConsoleSettings
+from clora.ingest.settings import IngestSettings, WebhookSettings
+from clora.settings import HTTP_KEEP_ALIVE_S, PlatformSettings
 
 app = typer.Typer(help="clora: continuous learning for LLM agents", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -53,7 +54,7 @@ def _urls() -> tuple[str, str]:
 def _registry():
     import redis
 
-    from clora.infra.registry import Registry
+    from clora.registry import Registry
 
     url = _urls()[1]
     client = redis.Redis.from_url(url)
@@ -104,7 +105,7 @@ def tenant_list():
 @tenant_app.command("rotate-key")
 def tenant_rotate_key(tenant_id: str, key_id: str = typer.Option(None, help="Revoke only this key (default: all)")):
     """Issue a new API key (shown once) and revoke the old one(s)."""
-    from clora.infra.registry import RegistryError
+    from clora.registry import RegistryError
 
     try:
         key = _registry().rotate_key(tenant_id, key_id)
@@ -117,7 +118,7 @@ def tenant_rotate_key(tenant_id: str, key_id: str = typer.Option(None, help="Rev
 @tenant_app.command("revoke-key")
 def tenant_revoke_key(tenant_id: str, key_id: str):
     """Revoke one API key (its id is the part after `clk_`)."""
-    from clora.infra.registry import RegistryError
+    from clora.registry import RegistryError
 
     try:
         _registry().revoke_key(tenant_id, key_id)
@@ -283,7 +284,7 @@ def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo
          eval_size: int = typer.Option(20, help="Held-out problems per tenant for the base/final scores"),
          log_level: str = "WARNING"):
     """The platform teaching three tenants three skills, live, ending with base vs final scores."""
-    from clora.agents.demo import main as run_demo
+    from clora.infra.demo import main as run_demo
 
     _logging(log_level)
     run_demo(minutes, eval_size)
@@ -312,7 +313,7 @@ def bench_experiments(
         log_level: str = "WARNING"):
     """N RL experiments of K steps on arithmetic tool use: one after another on fresh platforms
     (cold) vs all at once on one warm platform. Prints a table, writes JSON and a reward plot."""
-    from clora.agents.experiments import BenchConfig, main as run_bench
+    from clora.infra.experiments import BenchConfig, main as run_bench
 
     _logging(log_level)
     try:

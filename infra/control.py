@@ -25,7 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clora.infra.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
+from clora.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
 from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent, DeadLetter
 from clora.ingest.worker import DLQ_RECENT_KEY, LAG_KEY

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from clora.infra.control import load_admin_token
-from clora.infra.settings import BrokerSettings, ConsoleSettings, IngestSettings, PlatformSettings, WebhookSettings
+from clora.infra.settings import BrokerSettings, ConsoleSettings
+from clora.ingest.settings import IngestSettings, WebhookSettings
+from clora.settings import PlatformSettings
 from clora.serving.settings import EngineSettings, GatewaySettings
 from clora.infra.stack import LocalStack
-from clora.infra.supervisor import ManagedProcess, port_open
+from clora.infra.supervisor import ManagedProcess
+from clora.procs import port_open
 from clora.ingest.producer import ensure_topics
 
 

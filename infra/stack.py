@@ -16,8 +16,10 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clora.infra.settings import BrokerSettings, PlatformSettings, RedisSettings
-from clora.infra.supervisor import ManagedProcess, port_open
+from clora.infra.settings import BrokerSettings, RedisSettings
+from clora.settings import PlatformSettings
+from clora.infra.supervisor import ManagedProcess
+from clora.procs import port_open
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ docs/events.md (and tests check that those examples validate).
 
 from __future__ import annotations
 
-import re
 import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from clora.ids import Id, new_id, validate_tenant_id
 
 SCHEMA_VERSION = 1
 
@@ -31,16 +31,6 @@ TOPIC_FEEDBACK = "clora.feedback"
 TOPIC_ADAPTERS = "clora.adapters"
 TOPIC_DLQ = "clora.dlq"
 ALL_TOPICS = (TOPIC_INTERACTIONS, TOPIC_FEEDBACK, TOPIC_ADAPTERS, TOPIC_DLQ)
-
-TENANT_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-"""Tenant ids are short slugs: they appear in Redis keys, adapter names and URLs."""
-
-Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
-
-
-def new_id(prefix: str = "ev") -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
 
 def now() -> float:
     return time.time()
@@ -52,12 +42,6 @@ class _Model(BaseModel):
 
 class _Event(_Model):
     schema_version: Literal[1] = SCHEMA_VERSION
-
-
-def validate_tenant_id(value: str) -> str:
-    if not TENANT_ID_RE.match(value):
-        raise ValueError("tenant id must be 1-63 chars of a-z, 0-9, '_' or '-', starting with a letter or digit")
-    return value
 
 
 # --- chat messages (OpenAI shape) ---------------------------------------------------------

@@ -31,9 +31,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from clora.infra.registry import PREFIX as REGISTRY_PREFIX
-from clora.infra.registry import Registry, Tenant, TenantNotFound, sign
-from clora.infra.settings import WebhookSettings
+from clora.registry import PREFIX as REGISTRY_PREFIX
+from clora.registry import Registry, Tenant, TenantNotFound, sign
+from clora.ingest.settings import WebhookSettings
 from clora.ingest import metrics
 from clora.ingest.producer import BrokerUnavailable, EventProducer
 from clora.ingest.schemas import TOPIC_FEEDBACK, FeedbackBatchIn, FeedbackEvent, FeedbackIn
@@ -312,7 +312,7 @@ def async_redis_client(redis_url: str):
 
 def app_from_env() -> FastAPI:
     """uvicorn factory: `uvicorn --factory clora.ingest.webhook:app_from_env`."""
-    from clora.infra.settings import PlatformSettings
+    from clora.settings import PlatformSettings
 
     platform = PlatformSettings()
     if not platform.kafka_bootstrap or not platform.redis_url:

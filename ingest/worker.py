@@ -24,8 +24,8 @@ from kafka.errors import CommitFailedError
 from pydantic import ValidationError
 from pydantic_core import to_json
 
-from clora.infra.registry import Registry, RegistryError
-from clora.infra.settings import IngestSettings
+from clora.registry import Registry, RegistryError
+from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
 from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer, stored_flags
 from clora.ingest.joiner import build_examples

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from clora.infra.chat_template import TOOL_CHAT_TEMPLATE
+from clora.learner.chat_template import TOOL_CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A conversation is rendered with the tokenizer's chat template; the prompt part (
 up to and including the assistant header `<|im_start|>assistant\n`) and the completion are
 tokenized separately and concatenated, exactly as the serving engine sees a prompt followed
 by generated tokens. Only completion tokens carry loss. The template is the tool-aware one
-(`clora.infra.chat_template`): `tools` and assistant tool calls render exactly as vLLM
+(`clora.learner.chat_template`): `tools` and assistant tool calls render exactly as vLLM
 renders them for serving.
 
 RL batches pack an episode's turns. An agent's turn k+1 is served on a prompt that starts with

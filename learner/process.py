@@ -579,7 +579,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str) -> Non
 
     import redis
 
-    from clora.infra.registry import Registry
+    from clora.registry import Registry
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.producer import EventProducer
     from clora.ingest.schemas import TOPIC_ADAPTERS

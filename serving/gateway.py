@@ -32,8 +32,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
-from clora.infra.registry import ApiKeyPrincipal, Registry, RegistryError
-from clora.ingest.schemas import Id, Message
+from clora.registry import ApiKeyPrincipal, Registry, RegistryError
+from clora.ids import Id
+from clora.ingest.schemas import Message
 from clora.serving import errors
 from clora.serving.aliases import AdapterRef, parse_model
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body

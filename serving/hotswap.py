@@ -32,7 +32,7 @@ import redis
 from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
-from clora.infra.registry import Registry, RegistryError
+from clora.registry import Registry, RegistryError
 from clora.ingest.schemas import TOPIC_ADAPTERS, AdapterEvent
 from clora.serving.aliases import AdapterRef, AliasTable
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from clora.infra.supervisor import terminate_with_parent
+from clora.procs import terminate_with_parent
 from clora.serving.residency import ResidentSet
 from clora.serving.settings import EngineSettings
 from clora.serving.vllm_launch import write_site_hook

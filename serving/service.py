@@ -23,8 +23,8 @@ import redis
 import uvicorn
 from prometheus_client import start_http_server
 
-from clora.infra.registry import Registry
-from clora.infra.settings import HTTP_KEEP_ALIVE_S
+from clora.registry import Registry
+from clora.settings import HTTP_KEEP_ALIVE_S
 from clora.ingest.producer import EventProducer
 from clora.serving.aliases import AliasTable
 from clora.serving.engine import EngineManager

@@ -1,6 +1,6 @@
 """Settings of the serving side: the vLLM engine replicas (`EngineSettings`, env prefix
 `CLORA_ENGINE_`) and the OpenAI-compatible gateway (`GatewaySettings`, `CLORA_GATEWAY_`).
-Same pattern as `clora.infra.settings`: one pydantic settings model per service.
+One pydantic settings model per service, built with `clora.settings.settings_config`.
 """
 
 from __future__ import annotations
@@ -9,17 +9,15 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings
 
-
-def _config(prefix: str) -> SettingsConfigDict:
-    return SettingsConfigDict(env_prefix=prefix, extra="ignore", validate_default=True)
+from clora.settings import settings_config
 
 
 class EngineSettings(BaseSettings):
     """The vLLM OpenAI server processes (one per replica) that hold the base model and LoRAs."""
 
-    model_config = _config("CLORA_ENGINE_")
+    model_config = settings_config("CLORA_ENGINE_")
 
     model: str = ".clora/models/smollm2-135m-instruct"
     """Local HF model directory of the frozen base model."""
@@ -78,7 +76,7 @@ class EngineSettings(BaseSettings):
 class GatewaySettings(BaseSettings):
     """The OpenAI-compatible gateway in front of the engine replicas."""
 
-    model_config = _config("CLORA_GATEWAY_")
+    model_config = settings_config("CLORA_GATEWAY_")
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import redis
 
-from clora.infra.registry import TRAFFIC_TTL_S, Registry
+from clora.registry import TRAFFIC_TTL_S, Registry
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ ARTIFACTS = Path(os.environ.get("CLORA_TEST_ARTIFACTS", "test-artifacts"))
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
-    from clora.infra.settings import BrokerSettings, PlatformSettings, RedisSettings
+    from clora.infra.settings import BrokerSettings, RedisSettings
+    from clora.settings import PlatformSettings
     from clora.infra.stack import LocalStack
-    from clora.infra.supervisor import free_port
+    from clora.procs import free_port
     from clora.ingest.producer import ensure_topics
 
     data = tmp_path_factory.mktemp("clora-data")
@@ -51,7 +52,7 @@ def tenant_id() -> str:
 
 @pytest.fixture
 def registry(redis_client):
-    from clora.infra.registry import Registry
+    from clora.registry import Registry
 
     return Registry(redis_client)
 
@@ -66,7 +67,7 @@ class _Server:
 
         import uvicorn
 
-        from clora.infra.supervisor import free_port
+        from clora.procs import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -77,7 +78,7 @@ class _Server:
     def __enter__(self):
         import time
 
-        from clora.infra.supervisor import port_open
+        from clora.procs import port_open
 
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -97,8 +98,8 @@ def webhook(stack):
     """The feedback webhook wired to the real broker and Redis (2 s ack timeout)."""
     import redis
 
-    from clora.infra.registry import Registry
-    from clora.infra.settings import WebhookSettings
+    from clora.registry import Registry
+    from clora.ingest.settings import WebhookSettings
     from clora.ingest.producer import EventProducer
     from clora.ingest.webhook import create_app
 
@@ -118,7 +119,7 @@ def ingest_worker(stack):
     """One ingest worker (its own consumer group) running for the whole session."""
     import threading
 
-    from clora.infra.settings import IngestSettings
+    from clora.ingest.settings import IngestSettings
     from clora.ingest.worker import IngestWorker
 
     worker = IngestWorker(IngestSettings(group_id=f"test-{uuid.uuid4().hex[:6]}", metrics_port=0),
@@ -156,7 +157,7 @@ def console(stack):
     import redis
 
     from clora.infra.control import create_control_app
-    from clora.infra.registry import Registry
+    from clora.registry import Registry
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.producer import EventProducer
 

@@ -2,7 +2,7 @@
 scripted python policy, and a feedback webhook that records what it got.
 
 The fake server turns the policy's raw text into `tool_calls` with
-`clora.agents.chat_template.parse_tool_calls`, as vLLM's hermes parser does behind the
+`tests.chat_template.parse_tool_calls`, as vLLM's hermes parser does behind the
 real gateway. Unit tests only: the real gateway and webhook are exercised by the
 platform's integration and end-to-end tests.
 """
@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from clora.agents.chat_template import parse_tool_calls
-from clora.infra.supervisor import free_port, port_open
+from tests.chat_template import parse_tool_calls
+from clora.procs import free_port, port_open
 from clora.ingest.schemas import FeedbackBatchIn, FeedbackIn
 
 Policy = Callable[[dict[str, Any], int], str]
@@ -149,7 +149,7 @@ def as_text(message: dict[str, Any]) -> str:
     """An assistant message as the model would write it (hermes tool-call text)."""
     import json
 
-    from clora.agents.chat_template import tool_call_text
+    from tests.chat_template import tool_call_text
 
     parts = [message["content"]] if message.get("content") else []
     parts += [tool_call_text(c["function"]["name"], json.loads(c["function"]["arguments"]))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clora.agents.chat_template import parse_tool_calls, render, tool_call_text
+from tests.chat_template import parse_tool_calls, render, tool_call_text
 from clora.agents.tools import Calculator, FinalAnswer
 
 TOOLS = [Calculator.schema(), FinalAnswer.schema()]
@@ -119,7 +119,7 @@ def test_parser_matches_hermes_on_odd_outputs():
 
 
 def test_render_names_the_messages_it_cannot_render():
-    from clora.agents.chat_template import ChatTemplateError
+    from tests.chat_template import ChatTemplateError
 
     with pytest.raises(ChatTemplateError, match=r"roles \['system', 'user'\]"):
         render([{"role": "system", "content": None}, {"role": "user", "content": "q"}], TOOLS)
@@ -128,7 +128,7 @@ def test_render_names_the_messages_it_cannot_render():
 def test_transformers_renders_the_template_like_render_does():
     """vLLM renders chat templates with transformers (tool-call arguments parsed to dicts)."""
     chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
-    from clora.agents.chat_template import TOOL_CHAT_TEMPLATE
+    from tests.chat_template import TOOL_CHAT_TEMPLATE
     from clora.agents.envs import ArithmeticEnv
 
     env = ArithmeticEnv()

@@ -2,7 +2,7 @@
 
 from rich.console import Console
 
-from clora.agents.demo import TENANTS, Demo
+from clora.infra.demo import TENANTS, Demo
 from clora.agents.runtime import Agent
 
 

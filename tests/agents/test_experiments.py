@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from clora.agents.experiments import (CORE_SPLIT, Bench, BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
+from clora.infra.experiments import (CORE_SPLIT, Bench, BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
                                       build_report, compare, mean_std, reward_curve, sequential_prefix, summarize, table,
                                       training_examples)
 from clora.agents.envs import ArithmeticEnv

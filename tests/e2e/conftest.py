@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from clora.infra.supervisor import free_port, http_ok
+from clora.procs import free_port, http_ok
 
 _spec = importlib.util.spec_from_file_location("clora_e2e_tiny", Path(__file__).parents[1] / "serving" / "tiny.py")
 tiny = importlib.util.module_from_spec(_spec)

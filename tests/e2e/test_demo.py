@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from clora.infra.supervisor import free_port
+from clora.procs import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

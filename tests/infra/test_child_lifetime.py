@@ -32,7 +32,7 @@ def test_child_started_like_a_service_dies_with_a_sigkilled_parent():
     # prints its pid, then waits to be killed
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import subprocess, sys, time
-        from clora.infra.supervisor import terminate_with_parent
+        from clora.procs import terminate_with_parent
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  start_new_session=True, preexec_fn=terminate_with_parent())
         print(child.pid, flush=True)

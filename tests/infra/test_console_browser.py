@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clora.infra.registry import AdapterVersion
+from clora.registry import AdapterVersion
 from clora.ingest.producer import EventProducer
 from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from clora.infra.registry import AdapterVersion
+from clora.registry import AdapterVersion
 from clora.ingest.schemas import TOPIC_ADAPTERS
 from tests.kafka_read import read_keyed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from clora.infra.supervisor import free_port, http_ok, port_open
+from clora.procs import free_port, http_ok, port_open
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -38,7 +38,7 @@ def test_free_ports_are_distinct_bindable_and_never_ephemeral():
     connection's local port can take one between the pick and the service's bind."""
     import socket
 
-    from clora.infra.supervisor import _ephemeral_low
+    from clora.procs import _ephemeral_low
 
     lo = _ephemeral_low()
     ports = [free_port() for _ in range(50)]

@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from clora.infra.registry import sign
+from clora.registry import sign
 from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.producer import EventProducer
 from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from clora.infra.registry import LearningPolicy, Tenant
+from clora.registry import LearningPolicy, Tenant
 from clora.ingest.schemas import Message, PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import GRAD, AdapterStore
 from clora.learner.base_model import load_base_model
@@ -43,7 +43,7 @@ def sft_set(tenant: str, answer: str, n: int = 4) -> list[SFTExample]:
 
 
 class FakeRegistry:
-    """In-memory stand-in for clora.infra.registry.Registry (the parts the learner uses)."""
+    """In-memory stand-in for clora.registry.Registry (the parts the learner uses)."""
 
     def __init__(self, tenants=()):
         self.tenants = {t.id: t for t in tenants}

@@ -49,7 +49,8 @@ def test_smollm2_converts_once_from_gguf(tmp_path):
 def test_a_prepared_model_with_an_older_chat_template_gets_the_current_one(tmp_path):
     import shutil
 
-    from clora.infra.chat_template import TOOL_CHAT_TEMPLATE, render
+    from clora.learner.chat_template import TOOL_CHAT_TEMPLATE
+    from tests.chat_template import render
     from clora.learner.base_model import refresh_chat_template
 
     model_dir = make_tiny_model(tmp_path / "tiny")

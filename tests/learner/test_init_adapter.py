@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clora.infra.registry import LearningPolicy, Tenant
+from clora.registry import LearningPolicy, Tenant
 from clora.learner.adapter_store import EXP_AVG, EXP_AVG_SQ, MASTER
 from clora.learner.base_model import load_base_model
 from clora.learner.lora import LoraModel, LoraSpec

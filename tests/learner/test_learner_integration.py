@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from clora.infra.registry import LearningPolicy
+from clora.registry import LearningPolicy
 from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.producer import EventProducer
 from clora.ingest.schemas import TOPIC_ADAPTERS, TOPIC_INTERACTIONS, AdapterEvent, InteractionEvent

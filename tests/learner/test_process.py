@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from clora.infra.registry import LearningPolicy, Tenant
+from clora.registry import LearningPolicy, Tenant
 from clora.learner.base_model import load_base_model
 from clora.learner.checkpoint import list_checkpoints
 from clora.learner.metrics import LearnerMetrics

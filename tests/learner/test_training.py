@@ -120,7 +120,7 @@ def test_validation_of_policies():
 def test_tool_calls_encode_as_the_serving_template_renders_them(tmp_path):
     """The learner tokenizes a tool-use correction exactly as vLLM renders it (same template):
     prompt tokens + completion tokens == tokens of the template's full rendering."""
-    from clora.infra.chat_template import render
+    from tests.chat_template import render
     from clora.learner.base_model import load_base_model, make_tiny_model
     from clora.learner.batches import ChatEncoder
 

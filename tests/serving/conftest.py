@@ -37,7 +37,7 @@ def adapter_pool(model_dir, tmp_path_factory) -> dict[int, Path]:
 
 @pytest.fixture(scope="session")
 def serving(stack, model_dir, adapter_pool, tmp_path_factory):
-    from clora.infra.supervisor import free_port
+    from clora.procs import free_port
     from clora.serving.service import ServingService
     from clora.serving.settings import EngineSettings, GatewaySettings
 
@@ -72,7 +72,7 @@ class Tenants:
         return tenant, key
 
     def publish(self, tenant: str, seed: int, *, make_live: bool = True) -> int:
-        from clora.infra.registry import AdapterVersion
+        from clora.registry import AdapterVersion
 
         versions = self.registry.adapter_versions(tenant)
         version = versions[-1].version + 1 if versions else 1
@@ -87,7 +87,7 @@ class Tenants:
 
 @pytest.fixture(scope="session")
 def tenants(redis_client, adapter_pool, tmp_path_factory) -> Tenants:
-    from clora.infra.registry import Registry
+    from clora.registry import Registry
 
     return Tenants(Registry(redis_client), adapter_pool, tmp_path_factory.mktemp("tenant-adapters"))
 

@@ -31,7 +31,7 @@ from typing import Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from clora.ingest.schemas import validate_tenant_id
+from clora.ids import validate_tenant_id
 
 PREFIX = "clora:"
 METRICS_HISTORY = 2000

@@ -65,7 +65,7 @@ from clora.agents.envs.base import Difficulty
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic
-from clora.infra.registry import check_init_adapter
+from clora.registry import check_init_adapter
 
 REFERENCE = {"name": "SkyRL", "n": 8, "speedup": 2.81, "step_s": [191.0, 500.0], "step_growth": 2.62}
 TARGET = {"n": 8, "speedup_at_least": 4.0, "step_growth_at_most": 2.0}
@@ -585,7 +585,7 @@ class Bench:
         """Point every CLORA_* setting of the next platform at fresh ports and a fresh data dir,
         with the mode's CPU split (`core_split`). Settings read the environment when built, so
         this runs before `Platform(...)`."""
-        from clora.infra.supervisor import free_port
+        from clora.procs import free_port
 
         c, slots = self.config, max(self.config.ns)
         for k in ("CLORA_KAFKA_BOOTSTRAP", "CLORA_REDIS_URL"):   # always the platform's own broker and Redis
@@ -611,8 +611,8 @@ class Bench:
     def _start(self, name: str, concurrent: bool = False):
         """Start a fresh platform; returns (platform, Stack) once the gateway answers /health."""
         from clora.infra.platform import Platform
-        from clora.infra.settings import PlatformSettings
-        from clora.infra.supervisor import http_ok
+        from clora.settings import PlatformSettings
+        from clora.procs import http_ok
 
         self._platform_env(name, concurrent)
         platform = Platform(PlatformSettings()).start()

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from clora.infra.supervisor import free_port, port_open
+from clora.procs import free_port, port_open
 from tests.keepalive import closed_after_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -62,7 +62,7 @@ def _versions_through_the_cli(clora: list[str], env: dict, redis_port: int) -> N
     """`clora tenant versions / rollback / promote` go through the console's API."""
     import redis
 
-    from clora.infra.registry import AdapterVersion, Registry
+    from clora.registry import AdapterVersion, Registry
 
     registry = Registry(redis.Redis(port=redis_port))
     for v in (1, 2, 3):

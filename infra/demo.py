@@ -41,7 +41,7 @@ from clora.agents.runtime import Agent
 from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic, evaluate
 
 if TYPE_CHECKING:
-    from clora.infra.settings import PlatformSettings
+    from clora.settings import PlatformSettings
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class Demo:
         """Start a fresh platform, measure the base model, learn until the budget leaves just
         enough time for the final evaluation, evaluate the final adapters, report."""
         from clora.infra.platform import Platform
-        from clora.infra.settings import PlatformSettings
+        from clora.settings import PlatformSettings
 
         started = time.monotonic()
         settings = self._fresh_settings(PlatformSettings())

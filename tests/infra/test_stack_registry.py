@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from clora.infra.registry import InvalidTenantField, LearningPolicy, RegistryError, TenantNotFound, hash_key
+from clora.registry import InvalidTenantField, LearningPolicy, RegistryError, TenantNotFound, hash_key
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +111,7 @@ def test_cli_tenant_create_with_an_adapter(stack, registry, tenant_id, tmp_path,
 
 
 def test_external_urls_start_nothing(tmp_path, stack):
-    from clora.infra.settings import PlatformSettings
+    from clora.settings import PlatformSettings
     from clora.infra.stack import LocalStack
 
     ext = LocalStack(platform=PlatformSettings(data_dir=tmp_path, kafka_bootstrap=stack.kafka_bootstrap,
@@ -125,7 +125,8 @@ def test_external_urls_start_nothing(tmp_path, stack):
 def test_settings_come_from_the_environment(monkeypatch):
     from pydantic import ValidationError
 
-    from clora.infra.settings import IngestSettings, PlatformSettings, WebhookSettings
+    from clora.ingest.settings import IngestSettings, WebhookSettings
+    from clora.settings import PlatformSettings
 
     monkeypatch.setenv("CLORA_KAFKA_BOOTSTRAP", "kafka:9092")
     monkeypatch.setenv("CLORA_WEBHOOK_MAX_BATCH", "7")

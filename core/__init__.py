@@ -1,0 +1,18 @@
+"""clora: continuous learning for LLM agents.
+
+This package is the ground every part stands on; it imports nothing else of clora's.
+
+| module     | owns |
+|------------|------|
+| `settings` | what the platform shares (data dir, Kafka and Redis URLs), `settings_config` every service's settings use |
+| `registry` | the control-plane registry in Redis: tenants, hashed keys, policies, adapter versions, the live one |
+| `ids`      | tenant ids, event ids, the served name `tenant@vN` |
+| `procs`    | process helpers: open ports, free ports, health URLs, children that die with their parent |
+| `web`      | the HTTP front door the webhook, gateway and control API share: keys, body limits, the error envelope |
+
+The parts install beside it as `clora.<folder>` (pyproject's `package-dir`): `ingest`,
+`serving`, `learner`, `kernels`, `agents`, and `infra`, the top that composes them. The
+layering contract in pyproject (`[tool.importlinter]`) says who may import whom.
+"""
+
+__version__ = "0.1.0"

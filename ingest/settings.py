@@ -1,0 +1,61 @@
+"""Settings of the ingest services: the feedback webhook and the ingest workers."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings
+
+from clora.settings import settings_config
+
+
+class WebhookSettings(BaseSettings):
+    """The feedback webhook (`POST /v1/feedback`)."""
+
+    model_config = settings_config("CLORA_WEBHOOK_")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8400, ge=1, le=65535)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    """Requests with a larger body answer 413."""
+    max_batch: int = Field(default=1000, ge=1)
+    """Most records in one batch request (more answer 413)."""
+    hmac_window_s: int = Field(default=300, ge=1)
+    """Signed requests whose timestamp is further than this from now answer 401."""
+    ack_timeout_s: float = Field(default=5.0, gt=0)
+    """How long to wait for the broker's acknowledgement before answering 503."""
+    auth_cache_s: float = Field(default=2.0, ge=0)
+    """How long a resolved API key is cached in-process. Revocation takes effect within this."""
+    workers: int = Field(default=1, ge=1, le=64)
+    """uvicorn worker processes."""
+
+
+class IngestSettings(BaseSettings):
+    """Ingest workers: the consumer group that turns events into training examples."""
+
+    model_config = settings_config("CLORA_INGEST_")
+
+    group_id: str = "clora-ingest"
+    workers: int = Field(default=1, ge=1, le=64)
+    """Worker processes `clora up` starts (each one consumer-group member)."""
+    max_poll_records: int = Field(default=2000, ge=1)
+    max_poll_interval_ms: int = Field(default=5000, ge=1000)
+    """Also the rebalance timeout: a group join waits this long for members (Tansu)."""
+    session_timeout_ms: int = Field(default=6000, ge=1000)
+    buffer_capacity: int = Field(default=10_000, ge=1)
+    """Examples kept per tenant and kind before eviction (a tenant's policy may lower it)."""
+    eviction: Literal["fifo", "random"] = "fifo"
+    """Which example leaves a full buffer: the oldest, or a uniformly random one."""
+    interaction_ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
+    """How long an interaction waits for its feedback (and feedback for its interaction)."""
+    dedup_window: int = Field(default=1_000_000, ge=1000)
+    """Event ids remembered per tenant for de-duplication (oldest forgotten first)."""
+    metrics_port: int = Field(default=9400, ge=0, le=65535)
+    """Prometheus endpoint of the first worker (0: none)."""
+
+    @model_validator(mode="after")
+    def _session_below_poll(self) -> "IngestSettings":
+        if self.session_timeout_ms > self.max_poll_interval_ms * 10:
+            raise ValueError("session_timeout_ms must not exceed 10x max_poll_interval_ms")
+        return self
