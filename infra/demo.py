@@ -39,6 +39,7 @@ from clora.agents.envs.base import TaskEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic, evaluate
+from clora.ids import served_name
 
 if TYPE_CHECKING:
     from clora.settings import PlatformSettings
@@ -52,12 +53,11 @@ class DemoTenant:
 
 
 POLICY = {"algorithm": "sft", "learning_rate": 2e-3, "batch_size": 8, "min_new_examples": 2, "fresh_fraction": 1.0}
-"""Every demo tenant learns from operator corrections (SFT). Calibrated on SmolLM2-135M: the
-support style and the JSON task need ~10 steps at batch 8. The traffic makes corrections
+"""Every demo tenant learns from operator corrections (SFT), sized for SmolLM2-135M: the
+support style and the JSON task need about ten steps at batch 8. The traffic makes corrections
 faster than one training core consumes them, so every batch takes new corrections first
 (`fresh_fraction` 1): replaying old ones while new ones wait halves the distinct examples a
-step sees. Measured on calc: 12 steps of half-replayed corrections reached 0.50 held-out; 12
-steps on new examples only (`benchmarks/make_calc_adapter.py`) 0.95 first-turn accuracy."""
+step sees, and a step on new examples teaches more than one on half-replayed ones."""
 
 CALC_POLICY = POLICY | {"batch_size": 4, "weight": 4.0, "eval_tolerance": 1.0}
 """The calculator task needs ~3x the steps (the tool-call format, then the right expression),
@@ -67,10 +67,10 @@ kind: on 2 CPU cores ten minutes are not enough for two- and three-step ones.
 
 Its publish gate is loose (a candidate may be up to 2x live's held-out loss): the skill has two
 turns, and the second turn's data (final_answer after a right calculator result) only comes
-from traffic once a version that gets the first turn right is served. Under the default 2%
-a run got stuck at v2 for its whole second half: candidates far better on the first turn
-were ~1.4-1.7x worse on the few second-turn held-out examples, so they never shipped, so the
-traffic never produced the second-turn corrections that would have fixed that."""
+from traffic once a version that gets the first turn right is served. A tight gate deadlocks
+that: a candidate far better on the first turn can be worse on the few second-turn held-out
+examples, so it never ships, so the traffic never produces the second-turn corrections that
+would fix it."""
 
 TENANTS = (
     DemoTenant("calc", ArithmeticEnv(difficulties=("easy",)), CALC_POLICY),
@@ -79,9 +79,9 @@ TENANTS = (
 )
 
 FINAL_EVAL_RESERVE = 1.8
-"""Time left for the final evaluation, in units of the base evaluation's time. Measured: the
-final one took 1.08-1.37x the base's (65-81 s vs 59-60 s at a 10-minute budget; more when calc
-has learned to call its tools, as each problem then takes 2-3 model calls)."""
+"""Time left for the final evaluation, in units of the base evaluation's time, with a margin:
+the adapters' evaluation takes longer than the base's (LoRA decoding on CPU is slower, and once
+calc has learned to call its tools each problem takes two or three model calls)."""
 
 PLATFORM_DEFAULTS = {
     "CLORA_LEARNER_EVAL_MAX_EXAMPLES": "12",     # the publish gate evaluates on 12 held-out examples, not 64
@@ -223,7 +223,7 @@ class Demo:
 
         def one(t: DemoTenant) -> float:
             version = (pinned or {}).get(t.id)
-            model = "base" if base else t.id if version is None else f"{t.id}@v{version}"
+            model = "base" if base else t.id if version is None else served_name(t.id, version)
             probe = dataclasses.replace(agents[t.id], model=model)
             return evaluate(probe, t.env, t.env.held_out()[: self.eval_size], concurrency=10)
 

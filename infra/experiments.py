@@ -65,6 +65,7 @@ from clora.agents.envs.base import Difficulty
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic
+from clora.ids import served_name
 from clora.registry import check_init_adapter
 
 REFERENCE = {"name": "SkyRL", "n": 8, "speedup": 2.81, "step_s": [191.0, 500.0], "step_growth": 2.62}
@@ -470,7 +471,7 @@ class Experiment:
         return 0.0
 
     def _wait_served(self, version: int) -> bool:
-        want = f"{self.tenant}@v{version}"
+        want = served_name(self.tenant, version)
         deadline = time.monotonic() + self.c.step_timeout_s
         while time.monotonic() < deadline:
             models = self.gateway.get("/v1/models").json()["data"]
@@ -491,10 +492,10 @@ def core_split(concurrent: bool, cores: int) -> dict[str, str]:
 
     Mode B gives the learner and the engine their own cores, half each, as the demo does: with
     every tenant's rollouts and training at once both run all the time, and two OpenMP teams on
-    the same cores spin against each other. Measured on 2 cores: SmolLM2 steps of 3.5-4.4 s
-    with the learner's 2 threads beside one busy thread, 1.3-1.6 s with 1 thread
-    (`benchmarks/bench_learner.py --threads 1|2` next to `python -c "while 1: pass"`). Mode A
-    keeps the defaults: one experiment's rollouts and training take turns, each on every core.
+    the same cores spin against each other, which makes a learner step several times slower
+    than on a core of its own (`benchmarks/bench_learner.py --threads 1|2` beside a busy
+    thread shows it). Mode A keeps the defaults: one experiment's rollouts and training take
+    turns, each on every core.
     """
     if not concurrent or cores < 2:
         return {}

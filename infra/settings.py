@@ -37,9 +37,8 @@ class RedisSettings(BaseSettings):
     after Redis acknowledges the buffers' writes, so an acknowledged write that is lost is a lost
     event. `everysec` is not enough even for a Redis process kill: while a background fsync is
     still running (a busy disk), Redis postpones writing its AOF buffer for up to 2 s and
-    replies to clients meanwhile. Cost, measured ad hoc here: +0.2 ms per write call (one fsync
-    per event-loop pass); `ReplayBuffer.add_many` of 100 events 33k -> 28k events/s, of 1 event
-    3.1k -> 1.8k/s."""
+    replies to clients meanwhile. The cost is one fsync per event-loop pass, which batched writes
+    (`ReplayBuffer.add_many`) share; `benchmarks/bench_ingest.py` measures the throughput."""
     start_timeout_s: float = Field(default=15.0, gt=0)
 
 

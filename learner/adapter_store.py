@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,8 +58,13 @@ class AdapterState:
     examples_seen: int = 0
     cursor: int = 0
     """Replay-buffer cursor: the highest sequence number trained on as fresh data."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """JSON-able bookkeeping owned by the trainer (held-out example ids, last eval, ...)."""
+    last_published_version: int | None = None
+    """The version these weights descend from: the last one published from them, or the one
+    they were set to when someone else chose the live version (`TenantLifecycle.follow_live`,
+    the reward guard's rollback). None until either happens."""
+    feedback_window: tuple[float, float] | None = None
+    """(first, last) feedback time of the examples trained on since the last publish: the
+    next version's `feedback_window`. None when nothing was trained on since."""
 
     @property
     def master(self) -> torch.Tensor:  # (P,)

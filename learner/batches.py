@@ -13,8 +13,7 @@ is a prefix of turn k+1's. `pack_turns` finds such prefixes in a batch, exactly,
 token, and gives them one row: the longest sequence, with every packed sample's completion
 tokens carrying that sample's behaviour logprobs, advantage and weight (1 / its completion
 length). The causal model scores a prefix's tokens the same in the longer row, so the loss is
-the one-row-per-sample loss, on the tokens of the longest turn instead of all turns'. For the
-calculator task (two turns, a 132-token first prompt) that is ~45% fewer tokens to train on.
+the one-row-per-sample loss, on the tokens of the longest turn instead of all turns'.
 """
 
 from __future__ import annotations

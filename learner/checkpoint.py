@@ -1,9 +1,11 @@
 """Per-tenant checkpoints of the full training state, written atomically.
 
 One file per tenant, `<checkpoints_dir>/<tenant>.safetensors`: tensors `buffer` (4, P) and
-`rng_state`, and every scalar of `AdapterState` (step, cursor, examples seen, extras) as
-JSON in the safetensors metadata. Written to a temporary name, fsynced, then `os.replace`d:
-a crash leaves the previous checkpoint or the new one, never a torn file.
+`rng_state`, and every scalar of `AdapterState` (step, cursor, examples seen, ...) as JSON
+in the safetensors metadata; its publishing lineage (`last_published_version`,
+`feedback_window`, each only when set) sits in that JSON's `extras` object. Written to a
+temporary name, fsynced, then `os.replace`d: a crash leaves the previous checkpoint or the
+new one, never a torn file.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def save_checkpoint(root: Path | str, state: AdapterState, layout_numel: int) ->
     tmp = root / f".tmp-{state.tenant}-{uuid.uuid4().hex[:8]}{SUFFIX}"
     meta = {"tenant": state.tenant, "seed": state.seed, "step": state.step, "micro_steps": state.micro_steps,
             "examples_seen": state.examples_seen, "cursor": state.cursor, "numel": layout_numel,
-            "extras": state.extras}
+            "extras": _lineage(state)}
     try:
         save_file({"buffer": state.buffer.contiguous(), "rng_state": state.rng_state},
                   tmp, metadata={"clora_state": json.dumps(meta)})
@@ -61,9 +63,23 @@ def load_checkpoint(path: Path | str, layout_numel: int) -> AdapterState:
     if meta["numel"] != layout_numel:
         raise CheckpointError(f"checkpoint {path} holds {meta['numel']} LoRA parameters, the learner's layout "
                               f"has {layout_numel} (rank/targets/base model changed?)")
+    window = meta["extras"].get("feedback_window")
     return AdapterState(tenant=meta["tenant"], seed=meta["seed"], buffer=tensors["buffer"],
                         rng_state=tensors["rng_state"], step=meta["step"], micro_steps=meta["micro_steps"],
-                        examples_seen=meta["examples_seen"], cursor=meta["cursor"], extras=meta["extras"])
+                        examples_seen=meta["examples_seen"], cursor=meta["cursor"],
+                        last_published_version=meta["extras"].get("last_published_version"),
+                        feedback_window=tuple(window) if window else None)
+
+
+def _lineage(state: AdapterState) -> dict:
+    """The `extras` JSON object: `{"last_published_version": 3, "feedback_window": [t0, t1]}`,
+    each key only when set."""
+    out: dict = {}
+    if state.last_published_version is not None:
+        out["last_published_version"] = state.last_published_version
+    if state.feedback_window is not None:
+        out["feedback_window"] = list(state.feedback_window)
+    return out
 
 
 def list_checkpoints(root: Path | str) -> list[Path]:

@@ -77,10 +77,10 @@ def serial_openmp_thread() -> None:
 
     A copy thread whose large `copy_` opens a parallel region gets a second OpenMP team: the
     process then holds more OpenMP threads than cores, libgomp stops spinning at barriers and
-    sleeps instead, and every parallel region of the training thread pays a wake-up. Measured
-    on 2 cores: tiny-model training steps 3x slower with prefetch than without
-    (`benchmarks/bench_learner.py --model tiny`). `torch.set_num_threads` would change the
-    training thread too; OpenMP's own setting is per thread.
+    sleeps instead, and every parallel region of the training thread pays a wake-up: training
+    steps slow down while prefetch copies run (`benchmarks/bench_learner.py --model tiny`
+    compares prefetch on and off). `torch.set_num_threads` would change the training thread
+    too; OpenMP's own setting is per thread.
     """
     torch.get_num_threads()  # runs torch's lazy per-thread OpenMP setup now, so it cannot undo what follows
     for runtime in _openmp_runtimes():

@@ -60,15 +60,14 @@ from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, 
 
 DEFAULT_MAX_CHUNK_TOKENS = {"cpu": 1024, "cuda": 16384}
 """Padded tokens per fused forward, by device type. On CPU the cost per token is flat from a
-few hundred tokens up and then grows: SmolLM2 on 2 cores ran 32 sequences of 142 tokens 12-15%
-faster (CPU time) as five ~1k-token chunks than as one 4.5k-token forward, whose (tokens, vocab)
-fp32 logits and their gradients (~0.9 GB each) leave the cache and are page-faulted in fresh
-every step. On a GPU bigger is better, up to memory."""
+few hundred tokens up and then grows: a long forward's (tokens, vocab) fp32 logits and their
+gradients leave the cache and are page-faulted in fresh every step, so several ~1k-token
+chunks beat one long forward. On a GPU bigger is better, up to memory."""
 DEFAULT_MAX_PADDING = {"cpu": 0.1, "cuda": 1.0}
 """Bucketing's padding bound by device. On CPU a padded token costs what a real one does, so
 buckets stay tight. On a GPU a small model's step is bound by kernel launches, not tokens:
-each extra chunk is a whole forward and backward of launches, and padding is nearly free
-(H200, SmolLM2, K = 8 x 8 sequences: 6 chunks at 0.1 ran slower than 8 serial steps)."""
+each extra chunk is a whole forward and backward of launches, and padding is nearly free:
+tight buckets would cost more chunks than the padding they save."""
 
 
 @dataclass(frozen=True)

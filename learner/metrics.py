@@ -1,4 +1,6 @@
-"""Prometheus metrics of the learner (scheduler decisions, step times, swaps, publishes).
+"""What the learner reports: Prometheus metrics (`LearnerMetrics`: scheduler decisions, step
+times, swaps, publishes) and each tenant's metrics history in the registry (`append_history`,
+the console's charts).
 
 Metrics live in an injected `CollectorRegistry` (the process passes the default one and
 serves it over HTTP; tests pass a fresh one), so several learners can coexist in one test.
@@ -6,7 +8,11 @@ serves it over HTTP; tests pass a fresh one), so several learners can coexist in
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
 
 
 class LearnerMetrics:
@@ -34,3 +40,15 @@ class LearnerMetrics:
                                 "the others train on)", ["tenant"], registry=r)
         self.reward_rollbacks = Counter("clora_learner_reward_rollbacks", "Live versions the reward guard rolled "
                                         "back", ["tenant"], registry=r)
+
+
+def append_history(registry, tenant: str, point: dict) -> None:
+    """Append `point` to the tenant's metrics history (the console plots it), when the
+    registry keeps one. Never fails a step: an error is logged."""
+    append = getattr(registry, "append_metrics", None)
+    if append is None:
+        return
+    try:
+        append(tenant, point)
+    except Exception:  # noqa: BLE001 - a console metric must not stop training; logged
+        log.exception("could not record metrics for %s", tenant)

@@ -1,4 +1,5 @@
 """Publishing adapter versions: versioned folders, atomically, recorded and announced.
+Owns `Publisher` (publish, import, roll back, prune, read weights back) and `PublishedWeights`.
 
 Layout: `<adapters_dir>/<tenant>/v<N>/` holds `adapter_config.json`,
 `adapter_model.safetensors` and `clora_metadata.json` (base model, step, examples seen, eval
@@ -22,6 +23,7 @@ import os
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -50,9 +52,13 @@ class RegistryLike(Protocol):
     def live_version(self, tenant_id: str) -> int | None: ...
 
 
-def served_name(tenant: str, version: int) -> str:
-    """The name vLLM serves a version under: a new name per version (no stale prefix cache)."""
-    return f"{tenant}@v{version}"
+@dataclass(frozen=True)
+class PublishedWeights:
+    """A published version's weights. Example: `PublishedWeights(version=3, flat=<(P,) fp32>)`."""
+
+    version: int
+    flat: torch.Tensor
+    """(P,) the flat LoRA weights, in `LoraLayout` order."""
 
 
 class Publisher:
@@ -179,12 +185,12 @@ class Publisher:
                                     metrics={"rolled_back_from": float(live) if live is not None else -1.0}))
         return target
 
-    def live_weights(self, tenant: str) -> tuple[int, torch.Tensor] | None:
-        """(version, flat weights) of the live version, or None when nothing is live."""
+    def live_weights(self, tenant: str) -> PublishedWeights | None:
+        """The live version's weights, or None when nothing is live."""
         live = self.registry.live_version(tenant)
         if live is None:
             return None
-        return live, self.weights(tenant, live)
+        return PublishedWeights(live, self.weights(tenant, live))
 
     def weights(self, tenant: str, version: int) -> torch.Tensor:
         """The flat weights (P,) of a published version (`AdapterFormatError` when unreadable)."""

@@ -2,9 +2,9 @@
 than the version it replaced.
 
 The publish gate judges a candidate before it ships, on held-out loss. A lower loss is not
-always a better policy: in the demo, calc's v7 had a held-out loss as low as v6's and scored
-0.25 against v6's ~0.8. The guard judges what the gate cannot see, the rewards a version
-earned once it served: every RL episode whose samples reach the buffer adds its reward once to
+always a better policy: a version can match its parent's held-out loss and earn far lower
+rewards. The guard judges what the gate cannot see, the rewards a version earned once it
+served: every RL episode whose samples reach the buffer adds its reward once to
 the tally of the version that served it (`ReplayBuffer.version_rewards`). A "scored sample"
 below is such an episode: the agent runtime names each episode (`metadata.episode_id`), so a
 three-turn episode is one observation, not three correlated ones that would shrink the

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real embedded broker and Redis, started once per test session.
+"""Shared fixtures: the real embedded broker and Redis, started once per test session, and the
+fake OpenAI server and fake webhook (tests/fakes.py) the agents and infra unit tests talk to.
 
 `stack` starts Tansu and redis-server on free ports under a temporary data dir (or uses
 CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL when set). Tests isolate themselves by tenant id
@@ -59,40 +60,6 @@ def registry(redis_client):
 
 # --- ingest path: the webhook over real HTTP and one ingest worker, both in-process ----------
 
-class _Server:
-    """uvicorn serving an ASGI app on a free port, in a background thread."""
-
-    def __init__(self, app):
-        import threading
-
-        import uvicorn
-
-        from clora.procs import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        import time
-
-        from clora.procs import port_open
-
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not port_open("127.0.0.1", self.port):
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="session")
 def webhook(stack):
     """The feedback webhook wired to the real broker and Redis (2 s ack timeout)."""
@@ -100,6 +67,7 @@ def webhook(stack):
 
     from clora.registry import Registry
     from clora.ingest.settings import WebhookSettings
+    from tests.fakes import ServerThread
     from clora.ingest.producer import EventProducer
     from clora.ingest.webhook import create_app
 
@@ -109,7 +77,7 @@ def webhook(stack):
 
     app = create_app(settings, Registry(redis.Redis.from_url(stack.redis_url)), producer,
                      async_redis=async_redis_client(stack.redis_url))
-    with _Server(app) as server:
+    with ServerThread(app, lifespan="auto") as server:
         server.settings = settings
         yield server
 
@@ -157,6 +125,7 @@ def console(stack):
     import redis
 
     from clora.infra.control import create_control_app
+    from tests.fakes import ServerThread
     from clora.registry import Registry
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.producer import EventProducer
@@ -165,7 +134,58 @@ def console(stack):
     producer = EventProducer(stack.kafka_bootstrap)
     token = "test-admin-" + uuid.uuid4().hex
     app = create_control_app(Registry(client), ReplayBuffer(client), token, publish=producer.send_sync)
-    with _Server(app) as server:
+    with ServerThread(app, lifespan="auto") as server:
         server.token = token
         yield server
     producer.close()
+
+
+# --- fakes for unit tests: one fake OpenAI server and one fake webhook per session -------------
+# (tests/fakes.py), reset before each test that uses them
+
+@pytest.fixture(scope="session")
+def _openai_server():
+    from tests.fakes import FakeOpenAI, ServerThread
+
+    fake = FakeOpenAI()
+    server = ServerThread(fake.app).start()
+    fake.url = server.url
+    yield fake
+    server.stop()
+
+
+@pytest.fixture
+def fake_openai(_openai_server):
+    _openai_server.requests.clear()
+    _openai_server.response_ids.clear()
+    _openai_server.fail_next = 0
+    _openai_server.policy = lambda body, i: "I don't know."
+    return _openai_server
+
+
+@pytest.fixture
+def openai_client(fake_openai):
+    import openai
+
+    client = openai.OpenAI(base_url=fake_openai.url + "/v1", api_key="key-1", max_retries=0, timeout=10)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def _webhook_server():
+    from tests.fakes import FakeWebhook, ServerThread
+
+    fake = FakeWebhook()
+    server = ServerThread(fake.app).start()
+    fake.url = server.url
+    yield fake
+    server.stop()
+
+
+@pytest.fixture
+def fake_webhook(_webhook_server):
+    _webhook_server.script.clear()
+    _webhook_server.attempts.clear()
+    _webhook_server.accepted.clear()
+    return _webhook_server

@@ -55,12 +55,15 @@ def test_the_assembled_tree_is_the_installed_package(tree):
 def test_the_code_keeps_the_layering_contract(tree):
     out = lint_imports(tree)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "BROKEN" not in out.stdout and "KEPT" in out.stdout
+    report = " ".join(out.stdout.split())
+    assert "0 broken" in report and "BROKEN" not in report
 
 
 @pytest.mark.parametrize(("module", "upward", "contract"), [
     ("ingest/worker.py", "import clora.infra.cli", "nothing imports the top"),
     ("serving/gateway.py", "import clora.learner.trainer", "nothing imports the top"),
+    ("learner/publish.py", "import clora.serving.aliases", "nothing imports the top"),
+    ("agents/runtime.py", "import clora.infra.demo", "nothing imports the top"),
     ("core/registry.py", "import clora.ingest.schemas", "the ground imports nothing of ours"),
     ("kernels/segments.py", "import clora.ids", "kernels import nothing of ours"),
     ("ingest/buffers.py", "import torch", "ingest knows no trainer and no engine"),
@@ -74,4 +77,5 @@ def test_an_upward_import_breaks_the_contract(tmp_path, module, upward, contract
     path.write_text(path.read_text() + f"\n{upward}  # a deliberate violation\n")
     out = lint_imports(tree)
     assert out.returncode != 0, out.stdout
-    assert "BROKEN" in out.stdout and contract in out.stdout, out.stdout
+    report = " ".join(out.stdout.split())  # the report wraps long contract names
+    assert f"{contract} BROKEN" in report, out.stdout

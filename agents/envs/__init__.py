@@ -1,5 +1,15 @@
-"""Environments with rewards: problem generators, held-out sets, reward functions and
-reference answers for operator corrections. `ENVIRONMENTS` maps a task name to its class."""
+"""clora.agents.envs: environments with rewards — problem generators, held-out sets, reward
+functions and reference answers for operator corrections.
+
+| module       | owns |
+|--------------|------|
+| `base`       | `Problem`, the `Environment` protocol, `TaskEnv` (seeded training stream, fixed held-out set), difficulties |
+| `arithmetic` | `ArithmeticEnv`: word problems solved with the calculator and `final_answer` tools |
+| `support`    | `SupportEnv`: support replies in the house style (greeting, order number, sign-off) |
+| `structured` | `StructuredEnv`: fields of an order note as one JSON object with exactly the keys asked |
+
+`ENVIRONMENTS` maps a task name to its class.
+"""
 
 from clora.agents.envs.arithmetic import ArithmeticEnv
 from clora.agents.envs.base import DIFFICULTIES, Difficulty, Environment, Problem, TaskEnv

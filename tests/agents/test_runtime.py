@@ -10,7 +10,7 @@ from clora.agents.envs import ArithmeticEnv, SupportEnv
 from clora.agents.runtime import Agent, AgentError, AsyncAgent
 from clora.agents.tools import Calculator, FinalAnswer, ToolRegistry
 
-from .fakes import oracle
+from tests.fakes import oracle
 
 TOOLS = ToolRegistry.of([Calculator, FinalAnswer])
 

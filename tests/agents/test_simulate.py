@@ -7,7 +7,7 @@ from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent, AgentError
 from clora.agents.simulate import OperatorSimulator, TenantTraffic, evaluate, run_tenants, same_action
 
-from .fakes import oracle
+from tests.fakes import oracle
 
 
 @pytest.fixture

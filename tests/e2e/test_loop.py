@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clora.ids import served_name
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
@@ -52,7 +54,7 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
 
     def serving_the_live_version() -> bool:  # read together: the live version may move on meanwhile
         seen["live"] = versions()["live"]
-        return served() == f"acme@v{seen['live']}"
+        return served() == served_name("acme", seen["live"])
 
     wait_for(serving_the_live_version, 60, interval=0.5, what="the gateway to serve the live acme version")
     live = seen["live"]
@@ -61,7 +63,7 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
 
     # vLLM serving the published folder == transformers + PEFT loading it (same tokens' logprobs)
     ask = [{"role": "user", "content": prompts[0]}]
-    resp = client.chat.completions.create(model=f"acme@v{live}", messages=ask, max_tokens=6, temperature=0, logprobs=True,
+    resp = client.chat.completions.create(model=served_name("acme", live), messages=ask, max_tokens=6, temperature=0, logprobs=True,
                                           extra_body={"return_tokens_as_token_ids": True})
     content = resp.choices[0].logprobs.content
     served_lp = [t.logprob for t in content]

@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from clora.ids import served_name
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TENANT = "guarded"
@@ -66,12 +68,12 @@ def test_a_live_version_that_earns_less_than_its_parent_is_rolled_back(platform,
     live = versions()["live"]
     parent = next(v["parent_version"] for v in versions()["versions"] if v["version"] == live)
     assert parent is not None
-    wait_for(lambda: served() == f"{TENANT}@v{live}", 60, interval=0.5, what=f"the gateway to serve v{live}")
+    wait_for(lambda: served() == served_name(TENANT, live), 60, interval=0.5, what=f"the gateway to serve v{live}")
 
     # the parent earned 1.0 on what it served, the live version earns 0.0
     for version, score in ((parent, 1.0), (live, 0.0)):
         for _ in range(4):
-            feedback({"interaction_id": ask(f"{TENANT}@v{version}", i), "source": "environment", "score": score})
+            feedback({"interaction_id": ask(served_name(TENANT, version), i), "source": "environment", "score": score})
             i += 1
     tallied = lambda v: (next(x for x in versions()["versions"] if x["version"] == v)["served_reward"] or {})
     wait_for(lambda: tallied(parent).get("samples") == 4 and tallied(live).get("samples") == 4, 60,
@@ -85,7 +87,7 @@ def test_a_live_version_that_earns_less_than_its_parent_is_rolled_back(platform,
     assert versions()["live"] == parent
     assert note["to"] == parent and note["live_reward"] == 0.0 and note["reference_reward"] == 1.0
     assert by_version[parent]["served_reward"] == {"samples": 4, "mean": 1.0}
-    wait_for(lambda: served() == f"{TENANT}@v{parent}", 60, interval=0.5,
+    wait_for(lambda: served() == served_name(TENANT, parent), 60, interval=0.5,
              what=f"the gateway to serve v{parent} again")
     points = httpx.get(f"{console}/metrics", headers=admin).json()["points"]
     marks = [p for p in points if "rolled_back" in p]

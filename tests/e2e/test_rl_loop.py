@@ -27,6 +27,7 @@ from clora.agents.envs.base import Difficulty, Problem, TaskEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import TenantTraffic
+from clora.ids import served_name
 from clora.ingest.buffers import BufferPolicy, is_heldout
 from clora.learner.losses import has_reward_spread
 
@@ -97,7 +98,7 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
             time.sleep(0.3)
         new = live()
         deadline = time.monotonic() + 60
-        while served() != f"{TENANT}@v{new}":
+        while served() != served_name(TENANT, new):
             assert time.monotonic() < deadline, f"gateway serves {served()}, live is v{new}"
             time.sleep(0.2)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import PATTERNS, adapter_ids, stacked_adapters
+from tests.kernels.kernel_cases import PATTERNS, adapter_ids, stacked_adapters
 
 from clora.kernels import SegmentMeta, TorchBackend, TritonBackend, make_backend, segmented_lora
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import adapter_ids, sorted_meta, stacked_adapters
+from tests.kernels.kernel_cases import adapter_ids, sorted_meta, stacked_adapters
 
 from clora.kernels import SegmentMeta, TorchBackend, lora_expand, lora_shrink, segmented_lora
 from clora.kernels.segmented_mm import segmented_mm_reference

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import PATTERNS, adapter_ids
+from tests.kernels.kernel_cases import PATTERNS, adapter_ids
 from torch import nn
 
 from clora.kernels import MultiLoRALinear, SegmentMeta, TorchBackend, TritonBackend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import PATTERNS, adapter_ids
+from tests.kernels.kernel_cases import PATTERNS, adapter_ids
 
 from clora.kernels import SegmentMeta
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from kernel_cases import PATTERNS, sorted_meta, stacked_adapters
+from tests.kernels.kernel_cases import PATTERNS, sorted_meta, stacked_adapters
 
 from clora.kernels import SegmentMeta, TorchBackend, TritonBackend, segmented_lora
 from clora.kernels.segmented_mm import segmented_mm_reference, segmented_mm_triton

@@ -104,7 +104,7 @@ def test_adapter_that_does_not_fit_the_layout_is_refused_and_never_trains(tmp_pa
     save_file({k.replace("base_model.model.", "model."): t for k, t in tensors.items()}, wrong_keys / WEIGHTS_FILE)
     reg.tenants.update(wrongrank=_tenant("wrongrank", wrong_rank), wrongkeys=_tenant("wrongkeys", wrong_keys))
 
-    with caplog.at_level(logging.ERROR, logger="clora.learner.process"):
+    with caplog.at_level(logging.ERROR, logger="clora.learner.lifecycle"):
         assert [lr.tick() for _ in range(3)] == [None] * 3
     errors = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
     assert len(errors) == 2  # once each: a refused tenant is not retried every tick
@@ -112,7 +112,7 @@ def test_adapter_that_does_not_fit_the_layout_is_refused_and_never_trains(tmp_pa
     assert "adapter keys do not match" in errors[0]
     assert errors[1].startswith("tenant wrongrank will not train: adapter in ") and "r=2" in errors[1]
     assert "expects r=4" in errors[1]
-    assert lr.store.tenants() == [] and lr._rejected == {"wrongrank", "wrongkeys"}
+    assert lr.store.tenants() == [] and lr.lifecycle.rejected == {"wrongrank", "wrongkeys"}
     assert reg.versions == {} and not (tmp_path / "adapters").exists()
 
 

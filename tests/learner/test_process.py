@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from clora.registry import LearningPolicy, Tenant
+from clora.learner.backoff import Backoff
 from clora.learner.base_model import load_base_model
 from clora.learner.checkpoint import list_checkpoints
 from clora.learner.metrics import LearnerMetrics
@@ -63,10 +64,10 @@ def test_the_gate_reuses_the_live_versions_held_out_loss_until_it_changes(world,
     held = lr.buffer.heldout("acme", "sft")
     policy = lr.policy(reg.tenants["acme"])
     # the reused number is what measuring the published adapter gives
-    assert eval_loss("acme", held, policy, lr.publisher.live_weights("acme")[1]) == \
+    assert eval_loss("acme", held, policy, lr.publisher.live_weights("acme").flat) == \
         pytest.approx(acme[-1].eval_scores["eval_loss"], abs=1e-5)
     reg.set_live_version("acme", 1)                        # a rollback: the live version must be measured
-    lr.evaluate_and_publish("acme", policy)
+    lr.gate.evaluate_and_publish("acme", policy)
     assert measured[-2:] == ["candidate", "live"]
 
 
@@ -83,21 +84,22 @@ def test_a_growing_held_out_set_measures_only_its_new_examples_under_the_live_ve
     example_losses = lr.trainer.example_losses
     monkeypatch.setattr(lr.trainer, "example_losses", lambda tenant, examples, how, weights=None: (
         measured.append(sorted(e.example_id for e in examples)), example_losses(tenant, examples, how, weights))[1])
-    lr._gate_cache.clear()                                     # as after a restart: nothing known
+    for record in lr.tenants.values():                         # as after a restart: nothing known
+        record.live_losses = None
     scored, how = lr.trainer.eval_examples(buf.heldout("acme", "sft"), policy)
-    lr._live_loss("acme", live, scored, how)
+    lr.gate.live_loss("acme", live, scored, how)
     assert measured == [sorted(e.example_id for e in scored)]  # everything, once
     for i in (200, 201):                                       # new traffic: two more held-out examples
         buf.add(sft("acme", i, f"q{i}?", "blue"), held_out=True)
     held = buf.heldout("acme", "sft")
     scored, how = lr.trainer.eval_examples(held, policy)
     before = lr.metrics.registry.get_sample_value("clora_learner_gate_live_examples_total", {"tenant": "acme"})
-    got = lr._live_loss("acme", live, scored, how)
+    got = lr.gate.live_loss("acme", live, scored, how)
     assert measured[-1] == ["acme-200", "acme-201"]            # the others came from the cache
     assert lr.metrics.registry.get_sample_value("clora_learner_gate_live_examples_total",
                                                 {"tenant": "acme"}) == before + 2
     # the combined number is what measuring the live version on the whole set gives
-    assert got == pytest.approx(lr.trainer.eval_loss("acme", held, policy, live[1]), abs=1e-6)
+    assert got == pytest.approx(lr.trainer.eval_loss("acme", held, policy, live.flat), abs=1e-6)
 
 
 @pytest.mark.parametrize("on_policy", [True, False])
@@ -217,7 +219,7 @@ def test_an_operators_rollback_is_trained_on_from_not_published_over(world, tiny
     assert torch.allclose(started_from[0], v1, atol=1e-6)
     newest = reg.adapter_versions("acme")[-1]
     assert newest.version == 4 and newest.parent_version == 1 and reg.live_version("acme") == 4
-    assert lr.store.peek("acme").extras["last_published_version"] == 4  # followed once, not on every step
+    assert lr.store.peek("acme").last_published_version == 4  # followed once, not on every step
 
 
 def test_a_failing_step_backs_its_tenant_off_while_the_others_train(world, tiny_model_dir):
@@ -238,8 +240,8 @@ def test_a_failing_step_backs_its_tenant_off_while_the_others_train(world, tiny_
     failed = [p for p in lr.registry.history["acme"] if "failed" in p]   # for the console
     assert failed == [{"failed": "FloatingPointError: non-finite gradient", "failures": 1, "retry_in_s": 5.0}]
     lr.trainer.train_step = train_step
-    lr._failures["acme"] = (1, 0.0)                                   # the back-off is over
-    assert [lr.tick() for _ in range(3)] == ["acme"] * 3 and "acme" not in lr._failures
+    lr.tenants["acme"].backoff = Backoff(failures=1, wait_s=5.0, retry_at=0.0)   # the back-off is over
+    assert [lr.tick() for _ in range(3)] == ["acme"] * 3 and lr.tenants["acme"].backoff is None
 
 
 def test_publishing_survives_a_broker_outage_and_an_unreadable_live_version(world, tiny_model_dir):

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from clora.learner.evaluate import gate
+from clora.learner.gate import decide
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.peft_io import read_adapter
 from clora.learner.publish import Publisher, PublishError, read_metadata
@@ -67,8 +67,8 @@ def test_rollback_makes_earlier_version_live(pub):
     assert p.registry.live_version("acme") == 2
     assert p.rollback("acme", 1).version == 1 and p.registry.live_version("acme") == 1
     assert [e.action for e in events][-2:] == ["rolled_back", "rolled_back"]
-    live_v, w = p.live_weights("acme")
-    assert live_v == 1 and torch.equal(w, _flat(p, 0))
+    live = p.live_weights("acme")
+    assert live.version == 1 and torch.equal(live.flat, _flat(p, 0))
     with pytest.raises(PublishError, match="no recorded version v9"):
         p.rollback("acme", 9)
     # publishing after a rollback never reuses a number
@@ -87,7 +87,7 @@ def test_failure_mid_write_leaves_no_visible_version(pub, monkeypatch):
     assert isinstance(e.value.__cause__, OSError)
     assert sorted(os.listdir(p.tenant_dir("acme"))) == ["v1"]
     assert p.registry.live_version("acme") == 1 and len(events) == 1
-    assert torch.equal(p.live_weights("acme")[1], _flat(p, 1))
+    assert torch.equal(p.live_weights("acme").flat, _flat(p, 1))
 
 
 def test_process_killed_mid_publish_leaves_live_version_loadable(pub, tiny_model_dir, tmp_path):
@@ -128,14 +128,14 @@ def test_orphan_folder_is_skipped_not_reused(pub):
 
 
 def test_gate_publishes_within_tolerance_only():
-    assert gate(1.0, None, 0.02).publish
-    assert gate(1.01, 1.0, 0.02).publish
-    assert not gate(1.05, 1.0, 0.02).publish
-    assert "worse than live" in gate(1.05, 1.0, 0.02).reason
-    assert not gate(float("nan"), 1.0, 0.02).publish
+    assert decide(1.0, None, 0.02).publish
+    assert decide(1.01, 1.0, 0.02).publish
+    assert not decide(1.05, 1.0, 0.02).publish
+    assert "worse than live" in decide(1.05, 1.0, 0.02).reason
+    assert not decide(float("nan"), 1.0, 0.02).publish
     # near 0 the absolute floor decides: 0.0098 vs 0.0032 is noise, 0.05 vs 0.0032 is not
-    assert not gate(0.0098, 0.0032, 0.02).publish
-    assert gate(0.0098, 0.0032, 0.02, min_margin=0.01).publish
-    assert not gate(0.05, 0.0032, 0.02, min_margin=0.01).publish
-    assert "beyond 0.01" in gate(0.05, 0.0032, 0.02, min_margin=0.01).reason
-    assert not gate(1.05, 1.0, 0.02, min_margin=0.01).publish     # far from 0 the relative tolerance rules
+    assert not decide(0.0098, 0.0032, 0.02).publish
+    assert decide(0.0098, 0.0032, 0.02, min_margin=0.01).publish
+    assert not decide(0.05, 0.0032, 0.02, min_margin=0.01).publish
+    assert "beyond 0.01" in decide(0.05, 0.0032, 0.02, min_margin=0.01).reason
+    assert not decide(1.05, 1.0, 0.02, min_margin=0.01).publish     # far from 0 the relative tolerance rules

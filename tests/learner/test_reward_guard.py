@@ -98,7 +98,7 @@ def test_the_learner_rolls_a_worse_live_version_back_and_trains_on_from_the_rest
     _served(buf, "acme", 3, [0.0] * 10 + [1.0] * 2, 200)    # ... v3 earns 0.17
     acme = reg.tenants["acme"]
 
-    verdict = lr.guard(acme)
+    verdict = lr.rollback.guard(acme)
     assert verdict.rollback and verdict.reference == 2
     assert reg.live_version("acme") == 2
     assert events[-1].action == "rolled_back" and events[-1].version == 2
@@ -112,11 +112,11 @@ def test_the_learner_rolls_a_worse_live_version_back_and_trains_on_from_the_rest
     if lr.fused is not None:
         assert lr.fused.slots.slot_of("acme") is None        # the stale fused copy is gone
     # v2's own parent (v1) served nothing: nothing to compare with, no second rollback
-    again = lr.guard(acme)
+    again = lr.rollback.guard(acme)
     assert not again.rollback and reg.live_version("acme") == 2
     # an operator who makes v3 live again overrules the guard
     reg.set_live_version("acme", 3)
-    overruled = lr.guard(acme)
+    overruled = lr.rollback.guard(acme)
     assert not overruled.rollback and "made live again" in overruled.reason and reg.live_version("acme") == 3
     reg.set_live_version("acme", 2)
 
@@ -133,7 +133,7 @@ def test_a_tenant_can_turn_the_guard_off(world, tiny_model_dir):
     _served(buf, "acme", 2, [1.0] * 12, 100)
     _served(buf, "acme", 3, [0.0] * 12, 200)
     reg.tenants["acme"].policy.reward_guard = False
-    assert lr.guard(reg.tenants["acme"]) is None and reg.live_version("acme") == 3
+    assert lr.rollback.guard(reg.tenants["acme"]) is None and reg.live_version("acme") == 3
 
 
 def test_the_loop_guards_every_unpaused_tenant_even_with_nothing_to_train(world, tiny_model_dir):

@@ -1,5 +1,6 @@
-"""Fakes for the agents unit tests: an OpenAI-compatible chat server whose "model" is a
-scripted python policy, and a feedback webhook that records what it got.
+"""Fakes for the agents and infra unit tests: an OpenAI-compatible chat server whose "model"
+is a scripted python policy, and a feedback webhook that records what it got. The fixtures
+that serve them (`fake_openai`, `openai_client`, `fake_webhook`) are in tests/conftest.py.
 
 The fake server turns the policy's raw text into `tool_calls` with
 `tests.chat_template.parse_tool_calls`, as vLLM's hermes parser does behind the
@@ -29,27 +30,36 @@ Policy = Callable[[dict[str, Any], int], str]
 
 
 class ServerThread:
-    """uvicorn serving an app on a free port in a daemon thread."""
+    """uvicorn serving an app on a free port in a daemon thread; `start()`/`stop()`, or `with`.
 
-    def __init__(self, app: FastAPI):
+    `lifespan="off"` for the fakes (they have no startup work); the real apps the integration
+    fixtures serve run theirs (`lifespan="auto"`, uvicorn's default)."""
+
+    def __init__(self, app, lifespan: str = "off"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="off"))
+                                                    access_log=False, lifespan=lifespan))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def start(self) -> "ServerThread":
+    def start(self, timeout_s: float = 20.0) -> "ServerThread":
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + timeout_s
         while not port_open("127.0.0.1", self.port, timeout=0.2):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"fake server on port {self.port} did not start")
+                raise RuntimeError(f"uvicorn on port {self.port} did not start within {timeout_s:.0f} s")
             time.sleep(0.02)
         return self
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(5)
+        self.thread.join(10)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class FakeOpenAI:

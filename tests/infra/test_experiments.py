@@ -13,7 +13,9 @@ from clora.infra.experiments import (CORE_SPLIT, Bench, BenchConfig, Experiment,
 from clora.agents.envs import ArithmeticEnv
 from clora.agents.runtime import EpisodeTrace, Turn
 from clora.agents.simulate import OperatorSimulator, Rollout, StepReport
+from clora.ids import served_name
 from clora.ingest.buffers import is_heldout
+from clora.registry import ADAPTER_FILES
 
 
 def step(i: int, reward: float, rollout: float = 2.0, train: float = 3.0, sync: float = 1.0,
@@ -134,7 +136,7 @@ def test_init_adapter_is_checked_when_configured_and_made_absolute(tmp_path, mon
     (tmp_path / "lora").mkdir()
     with pytest.raises(ValueError, match="init_adapter: .* missing adapter_config.json, adapter_model.safetensors"):
         BenchConfig(init_adapter="lora")
-    for f in ("adapter_config.json", "adapter_model.safetensors"):
+    for f in ADAPTER_FILES:
         (tmp_path / "lora" / f).write_text("{}")
     assert BenchConfig(init_adapter="lora").init_adapter == str(tmp_path / "lora")
 
@@ -149,7 +151,7 @@ class _Models:
         assert path == "/v1/models"
         self.polls += 1
         v1 = self.served_from is not None and self.polls >= self.served_from
-        data = [{"id": self.tenant, "root": f"{self.tenant}@v1" if v1 else "base"}]
+        data = [{"id": self.tenant, "root": served_name(self.tenant, 1) if v1 else "base"}]
         return type("Response", (), {"json": lambda _self: {"data": data}})()
 
 
@@ -165,7 +167,7 @@ class _Traffic:
 
 
 def _experiment(tmp_path, served_from: int | None) -> tuple[Experiment, _Traffic]:
-    for f in ("adapter_config.json", "adapter_model.safetensors"):
+    for f in ADAPTER_FILES:
         (tmp_path / f).write_text("{}")
     config = BenchConfig(init_adapter=str(tmp_path), poll_s=0.01, step_timeout_s=30)  # a bound a loaded CI never meets
     exp = Experiment(Stack("http://gw", "http://wh", "http://console", "http://metrics", "token"), "fork", 0, config)

@@ -1,0 +1,127 @@
+"""What a tenant's next step trains on: `Sampler` draws it from the replay buffer.
+
+A draw takes `batch_size` examples: about the tenant's `fresh_fraction` (else the learner's)
+the oldest past its cursor, the rest replayed from older data with a seed from the tenant's
+own generator. On-policy RL takes only the oldest `batch_size` examples past the cursor: no
+random draw, so the same call gives the same batch until the cursor moves.
+
+An RL batch in which no group has a reward spread has advantage 0 everywhere: no gradient,
+yet an optimizer step would still move the weights along Adam's old momentum. Such a "flat"
+batch is consumed (the cursor moves past it) without a step (`consume_if_flat`), and before
+the scheduler picks who trains every eligible on-policy tenant's batch is checked once
+(`skip_flat`): a flat batch costs a buffer read, not a step, so it must not wait in the queue
+behind other tenants' steps while its tenant's next rollouts wait for it.
+
+Also owns `BufferLike`, the replay buffer as the learner reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from clora.learner.adapter_store import AdapterStore
+from clora.learner.losses import has_reward_spread
+from clora.learner.metrics import LearnerMetrics
+from clora.learner.scheduler import Scheduler, TenantView
+from clora.learner.settings import LearnerSettings
+from clora.learner.tenant import LearnerTenant
+from clora.learner.trainer import EXAMPLE_KIND, Example, TrainingPolicy
+
+log = logging.getLogger(__name__)
+
+
+class BufferLike(Protocol):
+    def sample(self, tenant: str, kind: str, n: int, *, cursor: int = 0, fresh_fraction: float = 0.5,
+               seed: int | None = None, fill: bool = True): ...
+    def newer_than(self, tenant: str, kind: str, cursor: int) -> int: ...
+    def heldout(self, tenant: str, kind: str, n: int | None = None) -> list: ...
+    def version_rewards(self, tenant: str) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One tenant's batch for its next step. Example: acme (SFT, batch size 4, cursor 8) draws
+    `Draw("acme", policy, batch, examples)` with `batch.cursor` 12 (the newest example in it)
+    and `examples` its 4 SFT examples; after the step acme's cursor is 12."""
+
+    tenant: str
+    policy: TrainingPolicy
+    batch: object
+    """The buffer's sample: `.examples` and `.cursor`, where the tenant's cursor moves to."""
+    examples: list[Example]
+    """The batch's examples of the policy's kind (empty: nothing to train on)."""
+
+
+@dataclass(frozen=True)
+class BatchSeen:
+    """The point a tenant's batch was checked for a reward spread at: it is checked again only
+    once one of these changes. Example: `BatchSeen(cursor=8, waiting=8, batch_size=8)`."""
+
+    cursor: int
+    waiting: int
+    batch_size: int
+
+
+class Sampler:
+    def __init__(self, settings: LearnerSettings, buffer: BufferLike, store: AdapterStore, scheduler: Scheduler,
+                 metrics: LearnerMetrics, tenants: MutableMapping[str, LearnerTenant]):
+        self.s = settings
+        self.buffer = buffer
+        self.store = store
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.tenants = tenants
+
+    def on_policy(self, policy: TrainingPolicy) -> bool:
+        return policy.algorithm == "rl" and self.s.rl_on_policy
+
+    def draw(self, tid: str, policy: TrainingPolicy) -> Draw:
+        """The batch of `tid`'s next step (see the module docstring)."""
+        kind = EXAMPLE_KIND[policy.algorithm]
+        st = self.store.peek(tid)
+        on_policy = self.on_policy(policy)
+        seed = None
+        if not on_policy:
+            gen = st.generator()
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+            st.save_generator(gen)
+        fresh = 1.0 if on_policy else policy.fresh_fraction if policy.fresh_fraction is not None else self.s.fresh_fraction
+        batch = self.buffer.sample(tid, kind, policy.batch_size, cursor=st.cursor, seed=seed,
+                                   fresh_fraction=fresh, fill=not on_policy)
+        return Draw(tid, policy, batch, [e for e in batch.examples if e.kind == kind])
+
+    def skip_flat(self, views: list[TenantView], policies: dict[str, TrainingPolicy]) -> bool:
+        """Consume every eligible on-policy RL tenant's flat batch, before the scheduler picks
+        who trains (`policies`: those of the eligible tenants). A batch is checked once per
+        `BatchSeen`. Returns whether any was consumed (the views are then stale)."""
+        consumed = False
+        for v in views:
+            policy = policies[v.id] if v.eligible else None
+            if policy is None or not self.on_policy(policy):
+                continue
+            seen = BatchSeen(self.store.peek(v.id).cursor, v.waiting, policy.batch_size)
+            record = self.tenants[v.id]
+            if record.flat_checked == seen:
+                continue
+            record.flat_checked = seen
+            draw = self.draw(v.id, policy)
+            consumed |= bool(draw.examples) and self.consume_if_flat(draw)
+        return consumed
+
+    def consume_if_flat(self, draw: Draw) -> bool:
+        """Move the cursor past `draw` without a step when it is a flat RL batch; True then."""
+        if draw.policy.algorithm != "rl" or has_reward_spread([e.reward for e in draw.examples],
+                                                              [e.group_id for e in draw.examples]):
+            return False
+        st = self.store.peek(draw.tenant)
+        st.cursor = max(st.cursor, draw.batch.cursor)
+        self.tenants[draw.tenant].dirty = True
+        self.scheduler.record(draw.tenant, 0.0)
+        self.metrics.flat_batches.labels(draw.tenant).inc()
+        log.info("skipped %s: no group among its %d samples has a reward spread", draw.tenant, len(draw.examples))
+        return True
