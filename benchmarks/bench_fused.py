@@ -188,8 +188,8 @@ def main() -> None:
     policy = TrainingPolicy(learning_rate=1e-4, batch_size=8)
     enc = ChatEncoder(tok, 512)
     warm = {f"w{i}": examples(f"w{i}", 1, args.words) for i in range(2)}
-    run_serial(lm, tok, device, 2, 1, warm, policy, 1)  # process-wide warm-up: the first fused run
-    run_fused(lm, tok, device, 2, 1, warm, policy, 1)  # in a process was measured 10x slow without it
+    run_serial(lm, tok, device, 2, 1, warm, policy, 1)  # process-wide warm-up: the first run of each kind
+    run_fused(lm, tok, device, 2, 1, warm, policy, 1)  # in a process is far slower than later ones
     rows = []
     for k in (int(x) for x in args.tenants.split(",")):
         for mb in (int(x) for x in args.micro_batches.split(",")):
