@@ -271,15 +271,14 @@ class Registry:
     def claim_interaction(self, interaction_id: str, tenant_id: str, ttl_s: int = 7 * 24 * 3600) -> None:
         """Record which tenant an interaction id was served to (the gateway calls this before
         answering), so feedback from another tenant's key can be refused."""
-        self.r.set(f"{PREFIX}iowner:{interaction_id}", tenant_id, ex=ttl_s)
+        self.r.set(_owner_key(interaction_id), tenant_id, ex=ttl_s)
 
     def interaction_owner(self, interaction_id: str) -> str | None:
-        raw = self.r.get(f"{PREFIX}iowner:{interaction_id}")
+        raw = self.r.get(_owner_key(interaction_id))
         return raw.decode() if raw is not None else None
 
     def interaction_owners(self, interaction_ids: list[str]) -> list[str | None]:
-        raws = self.r.mget([f"{PREFIX}iowner:{i}" for i in interaction_ids])
-        return [raw.decode() if raw is not None else None for raw in raws]
+        return _owners(self.r.mget([_owner_key(i) for i in interaction_ids]))
 
     # --- adapter versions -----------------------------------------------------------------
 
@@ -379,6 +378,20 @@ class Registry:
     @staticmethod
     def _tkey(tenant_id: str) -> str:
         return f"{PREFIX}tenant:{tenant_id}"
+
+
+async def fetch_interaction_owners(client, interaction_ids: list[str]) -> list[str | None]:
+    """`Registry.interaction_owners` on an asyncio Redis client (`redis.asyncio.Redis`), for a
+    server that must not block its event loop on the lookup."""
+    return _owners(await client.mget([_owner_key(i) for i in interaction_ids]))
+
+
+def _owner_key(interaction_id: str) -> str:
+    return f"{PREFIX}iowner:{interaction_id}"
+
+
+def _owners(raws: list[bytes | None]) -> list[str | None]:
+    return [raw.decode() if raw is not None else None for raw in raws]
 
 
 def sign(secret: str, timestamp: str, body: bytes) -> str:

@@ -14,28 +14,24 @@ recent examples), recent feedback, DLQ (view, replay one), metrics history.
 from __future__ import annotations
 
 import hmac
-import json
 import secrets
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clora.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
+from clora.web import ErrorShape, HttpError, bearer_token, first_error, install_error_handlers
 from clora.ingest.buffers import ReplayBuffer
-from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent, DeadLetter
-from clora.ingest.worker import DLQ_RECENT_KEY, LAG_KEY
+from clora.ingest.reports import DLQ_RECENT_MAX, consumer_lag, recent_dead_letters
+from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent
 
 STATIC = Path(__file__).parent / "static"
-
-
-class ControlError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        self.status, self.code, self.message, self.field = status, code, message, field
+SHAPE: ErrorShape = "clora"
+"""The control API's error shape: `{"error": {"code", "message", "field"}}` (`clora.web`)."""
 
 
 class NewTenant(BaseModel):
@@ -72,28 +68,18 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     app = FastAPI(title="clora control plane", version="1")
     api = APIRouter(prefix="/api")
 
-    @app.exception_handler(ControlError)
-    async def _control_error(_req, e: ControlError):
-        return JSONResponse({"error": {"code": e.code, "message": e.message, "field": e.field}}, status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, e: RequestValidationError):
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-        return JSONResponse({"error": {"code": "invalid_request", "message": f"{field}: {first['msg']}",
-                                       "field": field}}, status_code=422)
+    install_error_handlers(app, SHAPE)
 
     def admin(request: Request) -> None:
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        token = bearer_token(request.headers)
         if not token or not hmac.compare_digest(token.encode(), admin_token.encode()):
-            raise ControlError(401, "admin_token_required", "send the admin token as 'Authorization: Bearer <token>'")
+            raise HttpError(401, "admin_token_required", "send the admin token as 'Authorization: Bearer <token>'")
 
     def tenant_or_404(tenant_id: str):
         try:
             return registry.get_tenant(tenant_id)
         except TenantNotFound:
-            raise ControlError(404, "tenant_not_found", f"no tenant {tenant_id!r}") from None
+            raise HttpError(404, "tenant_not_found", f"no tenant {tenant_id!r}") from None
 
     def summary(t) -> dict[str, Any]:
         live = registry.live_version(t.id)
@@ -122,11 +108,10 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
 
     @api.get("/tenants", dependencies=[Depends(admin)])
     def list_tenants():
-        lag = registry.r.hgetall(f"{LAG_KEY}:{ingest_group}")
         tenants = registry.list_tenants()
         last_hour = registry.traffic_totals([t.id for t in tenants])  # what the gateway served each
         return {"tenants": [{**summary(t), "last_hour": last_hour[t.id]} for t in tenants],
-                "consumer_lag": sum(int(v) for v in lag.values()) if lag else None}
+                "consumer_lag": consumer_lag(registry.r, ingest_group)}
 
     @api.post("/tenants", status_code=201, dependencies=[Depends(admin)])
     def create_tenant(body: NewTenant):
@@ -134,11 +119,11 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
             tenant, key = registry.create_tenant(body.id, name=body.name, policy=body.policy,
                                                  init_adapter=body.init_adapter)
         except ValidationError as e:
-            raise ControlError(422, "invalid_request", f"id: {e.errors()[0]['msg']}", "id") from e
+            raise HttpError(422, "invalid_request", f"id: {e.errors()[0]['msg']}", "id") from e
         except InvalidTenantField as e:
-            raise ControlError(422, "invalid_request", str(e), e.field) from e
+            raise HttpError(422, "invalid_request", str(e), e.field) from e
         except RegistryError as e:
-            raise ControlError(409, "tenant_exists", str(e), "id") from e
+            raise HttpError(409, "tenant_exists", str(e), "id") from e
         return {"tenant": summary(tenant), "api_key": key, "note": "the API key is shown once"}
 
     @api.get("/tenants/{tenant_id}", dependencies=[Depends(admin)])
@@ -153,9 +138,8 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         try:
             return registry.update_policy(tenant_id, **changes).model_dump()
         except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(p) for p in first["loc"])
-            raise ControlError(422, "invalid_policy", f"{field}: {first['msg']}", field) from e
+            field, message = first_error(e.errors(), default="")
+            raise HttpError(422, "invalid_policy", f"{field}: {message}", field) from e
 
     @api.post("/tenants/{tenant_id}/pause", dependencies=[Depends(admin)])
     def pause(tenant_id: str):
@@ -185,7 +169,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         try:
             registry.revoke_key(tenant_id, key_id)
         except RegistryError as e:
-            raise ControlError(404, "key_not_found", str(e), "key_id") from e
+            raise HttpError(404, "key_not_found", str(e), "key_id") from e
         return {"revoked": key_id}
 
     # --- adapter versions ---------------------------------------------------------------
@@ -208,7 +192,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         try:
             registry.set_live_version(tenant_id, version)
         except RegistryError as e:
-            raise ControlError(404, "version_not_found", str(e), "version") from e
+            raise HttpError(404, "version_not_found", str(e), "version") from e
         announce(tenant_id, action, version)
         return {"live": version}
 
@@ -225,7 +209,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
             live = registry.live_version(tenant_id)
             parent = registry.adapter_version(tenant_id, live).parent_version if live is not None else None
             if parent is None:
-                raise ControlError(409, "nothing_to_roll_back", "the live version has no parent", "version")
+                raise HttpError(409, "nothing_to_roll_back", "the live version has no parent", "version")
             target = parent
         return make_live(tenant_id, target, "rolled_back")
 
@@ -266,18 +250,18 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
 
     @api.get("/dlq", dependencies=[Depends(admin)])
     def dlq(n: int = 100):
-        return {"dead_letters": [json.loads(x) for x in registry.r.lrange(DLQ_RECENT_KEY, 0, max(1, min(n, 1000)) - 1)]}
+        letters = recent_dead_letters(registry.r, max(1, min(n, DLQ_RECENT_MAX)))
+        return {"dead_letters": [letter.model_dump(mode="json") for letter in letters]}
 
     @api.post("/dlq/{event_id}/replay", dependencies=[Depends(admin)])
     def dlq_replay(event_id: str):
-        for raw in registry.r.lrange(DLQ_RECENT_KEY, 0, -1):
-            letter = DeadLetter.model_validate_json(raw)
+        for letter in recent_dead_letters(registry.r):
             if letter.event_id == event_id:
                 if publish is None:
-                    raise ControlError(503, "broker_unavailable", "this console has no broker connection")
+                    raise HttpError(503, "broker_unavailable", "this console has no broker connection")
                 publish(letter.source_topic, letter.key or "", letter.payload)
                 return {"replayed": event_id, "topic": letter.source_topic}
-        raise ControlError(404, "dead_letter_not_found", f"no dead letter {event_id!r}", "event_id")
+        raise HttpError(404, "dead_letter_not_found", f"no dead letter {event_id!r}", "event_id")
 
     app.include_router(api)
 

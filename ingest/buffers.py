@@ -18,34 +18,53 @@ Cluster keeps a tenant on one slot and every script below stays single-slot:
 
 Writes are Lua scripts, so "is this event new?" and "store its examples" are one atomic
 step: a redelivered event is never stored twice, and a crash between two scripts leaves
-state that the redelivery completes.
+state that the redelivery completes. The worker queues many of them on one pipeline
+(`ReplayBuffer.batch()`); either way the scripts' replies are decoded here, and nothing
+outside this module spells a key above.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import redis
 from pydantic import TypeAdapter
 
-from clora.ingest.schemas import EXAMPLE_KINDS, Example
+from clora.ingest.schemas import EXAMPLE_KINDS, Example, InteractionEvent
 
 Kind = Literal["sft", "preference", "rl"]
 _EXAMPLE = TypeAdapter(Example)
 RECENT_FEEDBACK = 200
 
 
-def stored_flags(raw: bytes) -> list[int]:
+def tkey(tenant: str, *parts: str) -> str:
+    return ":".join([f"clora:t:{{{tenant}}}", *parts])
+
+
+class ParkResult(enum.IntEnum):
+    """What `park_feedback` did (the `_PARK_FEEDBACK` script's reply)."""
+
+    PARKED = 1
+    DUPLICATE = 0
+    INTERACTION_STORED = -1
+    """Nothing parked: the interaction is there after all, so join the feedback directly."""
+
+
+def _stored_flags(raw: bytes) -> list[int]:
     """The reply of `_ADD_EXAMPLES` (b"101": stored, seen, stored) as [1, 0, 1]."""
     return [c - 48 for c in raw]
 
 
-def tkey(tenant: str, *parts: str) -> str:
-    return ":".join([f"clora:t:{{{tenant}}}", *parts])
+def _parked_bodies(flat: list[bytes]) -> list[bytes]:
+    """The reply of `_STORE_INTERACTION` (HGETALL's flat [id, json, id, json, ...]) as the
+    parked feedback's JSON bodies."""
+    return flat[1::2]
 
 
 # Stores the examples of several feedback events of one tenant, each at most once.
@@ -352,45 +371,68 @@ class ReplayBuffer:
                      tkey(tenant, "held", kind), tkey(tenant, "held", kind, "ex")]
         return keys + [tkey(tenant, "seq"), tkey(tenant, "rewards"), tkey(tenant, "episodes")]  # KEYS[4..18]
 
-    # --- writes (ingest worker); each takes an optional pipeline to batch round trips -----
+    # --- writes (ingest worker) -----------------------------------------------------------
+
+    def batch(self) -> "BufferBatch":
+        """Writes to queue on one pipeline, sent in one round trip by `BufferBatch.execute`."""
+        return BufferBatch(self)
 
     def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str,
-                          *, now: float, pipe=None):
-        """Store an interaction (once). Result: the flat [id, json, ...] of parked feedback."""
-        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id)]
-        return self._store(keys=keys, args=[event_id, now, body, self.policy.interaction_ttl_s,
-                                            self.policy.dedup_window], client=pipe or self.r)
-
-    def interaction_key(self, tenant: str, interaction_id: str) -> str:
-        return tkey(tenant, "ix", interaction_id)
+                          *, now: float) -> list[bytes]:
+        """Store an interaction (once). Returns the JSON of the feedback parked for it."""
+        return self._run(self._store_call(tenant, event_id, interaction_id, body, now=now))
 
     def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
-                      *, now: float, recent: str = "", pipe=None):
+                      *, now: float, recent: str = "") -> ParkResult:
         """Park feedback whose interaction has not arrived (it shows in the recent list now;
-        its examples come when the interaction does). Result: 1 parked, 0 duplicate,
-        -1 the interaction is there (use `add_examples` instead)."""
-        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id),
-                tkey(tenant, "recent")]
-        return self._park(keys=keys, args=[event_id, now, body, self.policy.interaction_ttl_s,
-                                           self.policy.dedup_window, recent], client=pipe or self.r)
+        its examples come when the interaction does)."""
+        return self._run(self._park_call(tenant, event_id, interaction_id, body, now=now, recent=recent))
 
     def add_examples(self, tenant: str, event_id: str, examples: list, *, now: float,
-                     recent: str = "", parked_for: str | None = None, capacity: int | None = None,
-                     pipe=None):
+                     recent: str = "", parked_for: str | None = None, capacity: int | None = None) -> int:
         """Store the examples built from one feedback event, atomically and at most once.
-        Result: 1 stored, 0 already seen (see `add_many`)."""
+        Returns 1 stored, 0 already seen (see `add_many`)."""
         item = PendingWrite(event_id, examples, recent, parked_for)
-        result = self.add_many(tenant, [item], now=now, capacity=capacity, pipe=pipe)
-        return result if pipe is not None else result[0]
+        return self.add_many(tenant, [item], now=now, capacity=capacity)[0]
 
     def add_many(self, tenant: str, items: list["PendingWrite"], *, now: float,
-                 capacity: int | None = None, pipe=None):
+                 capacity: int | None = None) -> list[int]:
         """Store the examples of several feedback events of one tenant in one script call.
 
         Each event de-duplicates on its id (or, with `parked_for`, on removing it from that
-        interaction's parked feedback). Result: a list with 1 (stored) or 0 (seen) per item;
-        with `pipe`, the pipeline's result for this call is raw: decode it with `stored_flags`.
+        interaction's parked feedback). Returns 1 (stored) or 0 (seen) per item.
         """
+        return self._run(self._add_call(tenant, items, now=now, capacity=capacity))
+
+    def stored_interactions(self, refs: list[tuple[str, str]]) -> list[InteractionEvent | None]:
+        """The stored interaction of each (tenant, interaction id), None where it has not arrived
+        or has expired; one round trip for all, each distinct interaction parsed once."""
+        if not refs:
+            return []
+        raws = self.r.mget([tkey(tenant, "ix", iid) for tenant, iid in refs])
+        parsed: dict[bytes, InteractionEvent] = {}
+        for raw in raws:
+            if raw is not None and raw not in parsed:
+                parsed[raw] = InteractionEvent.model_validate_json(raw)
+        return [None if raw is None else parsed[raw] for raw in raws]
+
+    def _run(self, call: "_ScriptCall"):
+        return call.decode(call.script(keys=call.keys, args=call.args))
+
+    def _store_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float) -> "_ScriptCall":
+        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id)]
+        args = [event_id, now, body, self.policy.interaction_ttl_s, self.policy.dedup_window]
+        return _ScriptCall(self._store, keys, args, _parked_bodies)
+
+    def _park_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
+                   recent: str) -> "_ScriptCall":
+        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id),
+                tkey(tenant, "recent")]
+        args = [event_id, now, body, self.policy.interaction_ttl_s, self.policy.dedup_window, recent]
+        return _ScriptCall(self._park, keys, args, ParkResult)
+
+    def _add_call(self, tenant: str, items: list["PendingWrite"], *, now: float,
+                  capacity: int | None) -> "_ScriptCall":
         keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent")] + self._example_keys(tenant)
         guards: dict[str, int] = {}
         eviction = "fifo" if self.policy.eviction == "fifo" else f"random:{random.getrandbits(31)}"
@@ -406,9 +448,7 @@ class ReplayBuffer:
             for ex in item.examples:
                 held = "1" if is_heldout(holdout_key(ex), self.policy.holdout_fraction) else "0"
                 args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json(), _tally(ex)]
-        if pipe is not None:
-            return self._add(keys=keys, args=args, client=pipe)
-        return stored_flags(self._add(keys=keys, args=args))
+        return _ScriptCall(self._add, keys, args, _stored_flags)
 
     # --- reads (learner, console, metrics) ------------------------------------------------
 
@@ -435,19 +475,14 @@ class ReplayBuffer:
     def recent_feedback(self, tenant: str, n: int = 50) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(tkey(tenant, "recent"), 0, n - 1)]
 
-    def interactions(self, tenant: str, interaction_ids: list[str]) -> list:
+    def interactions(self, tenant: str, interaction_ids: list[str]) -> list[InteractionEvent | None]:
         """Stored interactions (None where expired or never seen), in the order asked."""
-        from clora.ingest.schemas import InteractionEvent
-
-        if not interaction_ids:
-            return []
-        raws = self.r.mget([tkey(tenant, "ix", i) for i in interaction_ids])
-        return [None if raw is None else InteractionEvent.model_validate_json(raw) for raw in raws]
+        return self.stored_interactions([(tenant, i) for i in interaction_ids])
 
     def heldout(self, tenant: str, kind: Kind, n: int | None = None) -> list:
         """The oldest `n` held-out examples (all of them when n is None), oldest first. Not the
         newest: on RL those are the live version's own samples, which it scores better than any
-        candidate (tried: the RL loop's gate then refused every version after its 5th)."""
+        candidate, so a gate on them would refuse every new version."""
         ids = self.r.zrange(tkey(tenant, "held", kind), 0, -1 if n is None else n - 1)
         return self._load(tkey(tenant, "held", kind, "ex"), ids)
 
@@ -492,7 +527,46 @@ class ReplayBuffer:
     def tenants_with_data(self) -> list[str]:
         """Tenants that have a stats hash (had at least one example). For metrics."""
         out = []
-        for key in self.r.scan_iter(match="clora:t:{*}:stats", count=1000):
+        for key in self.r.scan_iter(match=tkey("*", "stats"), count=1000):
             k = key.decode()
             out.append(k[k.index("{") + 1:k.index("}")])
         return sorted(out)
+
+
+@dataclass(frozen=True)
+class _ScriptCall:
+    """One call of a write script, and how to read its reply."""
+
+    script: Any
+    keys: list[str]
+    args: list
+    decode: Callable[[Any], Any]
+
+
+class BufferBatch:
+    """Buffer writes queued on one Redis pipeline (not a transaction: each script is atomic on
+    its own). `execute` sends them and returns each call's result, decoded as the immediate
+    `ReplayBuffer` method of the same name returns it, in the order they were queued."""
+
+    def __init__(self, buffers: ReplayBuffer):
+        self._buffers = buffers
+        self._pipe = buffers.r.pipeline(transaction=False)
+        self._decoders: list[Callable[[Any], Any]] = []
+
+    def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float) -> None:
+        self._queue(self._buffers._store_call(tenant, event_id, interaction_id, body, now=now))
+
+    def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
+                      *, now: float, recent: str = "") -> None:
+        self._queue(self._buffers._park_call(tenant, event_id, interaction_id, body, now=now, recent=recent))
+
+    def add_many(self, tenant: str, items: list[PendingWrite], *, now: float, capacity: int | None = None) -> None:
+        self._queue(self._buffers._add_call(tenant, items, now=now, capacity=capacity))
+
+    def execute(self) -> list:
+        replies = self._pipe.execute()
+        return [decode(reply) for decode, reply in zip(self._decoders, replies)]
+
+    def _queue(self, call: _ScriptCall) -> None:
+        call.script(keys=call.keys, args=call.args, client=self._pipe)
+        self._decoders.append(call.decode)

@@ -2,7 +2,7 @@
 awaited from asyncio (the webhook answers 202 only after the broker acknowledged).
 
     producer = EventProducer(bootstrap)
-    await producer.send_and_wait(TOPIC_FEEDBACK, key=tenant, value=event.model_dump_json())
+    await producer.send_many_and_wait(TOPIC_FEEDBACK, [(tenant, event.model_dump_json())])
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL
 
 
 class EventProducer:
-    """One acks=all producer shared by a process. `send_and_wait` raises `BrokerUnavailable`
-    unless the broker acknowledged within `timeout_s`."""
+    """One acks=all producer shared by a process. `send_sync` and `send_many_and_wait` raise
+    `BrokerUnavailable` unless the broker acknowledged within `timeout_s`."""
 
     def __init__(self, bootstrap: str, *, timeout_s: float = 5.0, linger_ms: int = 2):
         self.timeout_s = timeout_s
@@ -73,9 +73,6 @@ class EventProducer:
             fut.get(timeout=self.timeout_s)
         except KafkaError as e:
             raise BrokerUnavailable(f"broker did not acknowledge a write to {topic}: {e}") from e
-
-    async def send_and_wait(self, topic: str, key: str, value: str | bytes) -> None:
-        await self.send_many_and_wait(topic, [(key, value)])
 
     async def send_many_and_wait(self, topic: str, records: list[tuple[str, str | bytes]]) -> None:
         """Queue records and wait until the broker acknowledged every one of them.

@@ -25,14 +25,13 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from clora.registry import PREFIX as REGISTRY_PREFIX
-from clora.registry import Registry, Tenant, TenantNotFound, sign
+from clora.registry import Registry, Tenant, TenantNotFound, fetch_interaction_owners, sign
+from clora.web import BodyLimit, ErrorShape, HttpError, api_key, install_error_handlers
 from clora.ingest.settings import WebhookSettings
 from clora.ingest import metrics
 from clora.ingest.producer import BrokerUnavailable, EventProducer
@@ -50,51 +49,12 @@ class ErrorBody(BaseModel):
     error: dict
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 headers: dict[str, str] | None = None):
-        self.status, self.code, self.message, self.field, self.headers = status, code, message, field, headers
+SHAPE: ErrorShape = "clora"
+"""The webhook's error shape: `{"error": {"code", "message", "field"}}` (`clora.web`)."""
 
 
-def _error(status: int, code: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
+def _count_error(status: int) -> None:
     metrics.WEBHOOK.labels(str(status)).inc()
-    body = {"error": {"code": code, "message": message, "field": field}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-class BodyLimit:
-    """Pure ASGI middleware: 413 for bodies over `max_bytes`, by Content-Length or by counting
-    a chunked body as it streams (Starlette's BaseHTTPMiddleware costs ~0.3 ms a request)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _error(413, "request_too_large", f"body of {int(length)} bytes exceeds "
-                                f"{self.max_bytes}")(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await _error(413, "request_too_large", f"body exceeds {self.max_bytes} bytes")(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 @dataclass
@@ -151,9 +111,8 @@ class OwnerLookup:
         try:
             while self._waiting:
                 batch, self._waiting = self._waiting, []
-                keys = [f"{REGISTRY_PREFIX}iowner:{i}" for ids, _ in batch for i in ids]
                 try:
-                    raws = await self.client.mget(keys)
+                    found = await fetch_interaction_owners(self.client, [i for ids, _ in batch for i in ids])
                 except Exception as e:  # every waiter gets the error: none is answered 202
                     for _, future in batch:
                         if not future.done():
@@ -161,8 +120,7 @@ class OwnerLookup:
                     continue
                 at = 0
                 for ids, future in batch:
-                    owners = [raw.decode() if raw is not None else None for raw in raws[at:at + len(ids)]]
-                    at += len(ids)
+                    owners, at = found[at:at + len(ids)], at + len(ids)
                     if not future.done():
                         future.set_result(owners)
         finally:
@@ -192,31 +150,19 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
     auth = Authenticator(registry, settings.auth_cache_s)
     responses = {s: {"model": ErrorBody} for s in (401, 403, 413, 422, 503)}
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_req: Request, e: ApiError):
-        return _error(e.status, e.code, e.message, e.field, e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first["loc"] if p != "body"]
-        field = ".".join(loc) or "body"
-        return _error(422, "invalid_request", f"{field}: {first['msg']}", field)
-
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app, SHAPE, on_error=_count_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, shape=SHAPE, on_error=_count_error)
 
     async def tenant_of(request: Request) -> Tenant:
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        key = api_key(request.headers)
         if not key:
-            raise ApiError(401, "missing_api_key", "send the tenant API key as 'Authorization: Bearer <key>'")
+            raise HttpError(401, "missing_api_key", "send the tenant API key as 'Authorization: Bearer <key>'")
         try:
             tenant = auth.tenant_for(key)
         except RedisError as e:
             raise _registry_unavailable(e) from e
         if tenant is None:
-            raise ApiError(401, "invalid_api_key", "unknown or revoked API key")
+            raise HttpError(401, "invalid_api_key", "unknown or revoked API key")
         if tenant.signing_secret:
             await _check_signature(request, tenant.signing_secret, settings.hmac_window_s)
         return tenant
@@ -229,14 +175,14 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
         for i, owner in enumerate(owners):
             if owner is not None and owner != tenant.id:
                 field = "interaction_id" if len(records) == 1 else f"records.{i}.interaction_id"
-                raise ApiError(403, "forbidden", "this interaction was not served to your tenant", field)
+                raise HttpError(403, "forbidden", "this interaction was not served to your tenant", field)
         events = [FeedbackEvent.accept(tenant.id, rec) for rec in records]
         try:
             await producer.send_many_and_wait(TOPIC_FEEDBACK, [(e.tenant, e.model_dump_json()) for e in events])
         except BrokerUnavailable as e:
             log.warning("feedback for %s not stored: %s", tenant.id, e)
-            raise ApiError(503, "broker_unavailable", "the event log is unavailable; nothing was stored, retry",
-                           headers={"Retry-After": "1"}) from e
+            raise HttpError(503, "broker_unavailable", "the event log is unavailable; nothing was stored, retry",
+                            headers={"Retry-After": "1"}) from e
         metrics.WEBHOOK.labels("202").inc()
         metrics.WEBHOOK_EVENTS.inc(len(events))
         return JSONResponse(Accepted(accepted=len(events), event_ids=[e.event_id for e in events]).model_dump(),
@@ -251,8 +197,8 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
               summary="Send up to `max_batch` feedback records in one request")
     async def feedback_batch(batch: FeedbackBatchIn, tenant: Tenant = Depends(tenant_of)):
         if len(batch.records) > settings.max_batch:
-            raise ApiError(413, "batch_too_large", f"{len(batch.records)} records exceed the limit of "
-                           f"{settings.max_batch}", "records")
+            raise HttpError(413, "batch_too_large", f"{len(batch.records)} records exceed the limit of "
+                            f"{settings.max_batch}", "records")
         return await _publish(tenant, batch.records)
 
     @app.get("/healthz", include_in_schema=False)
@@ -270,16 +216,16 @@ async def _check_signature(request: Request, secret: str, window_s: int) -> None
     ts = request.headers.get("x-clora-timestamp", "")
     sig = request.headers.get("x-clora-signature", "")
     if not ts or not sig:
-        raise ApiError(401, "signature_required", "this tenant requires X-Clora-Timestamp and X-Clora-Signature")
+        raise HttpError(401, "signature_required", "this tenant requires X-Clora-Timestamp and X-Clora-Signature")
     try:
         age = abs(time.time() - float(ts))
     except ValueError:
-        raise ApiError(401, "bad_signature", "X-Clora-Timestamp must be unix seconds", "X-Clora-Timestamp") from None
+        raise HttpError(401, "bad_signature", "X-Clora-Timestamp must be unix seconds", "X-Clora-Timestamp") from None
     if age > window_s:
-        raise ApiError(401, "stale_signature", f"timestamp is {age:.0f} s from now (window {window_s} s)")
+        raise HttpError(401, "stale_signature", f"timestamp is {age:.0f} s from now (window {window_s} s)")
     expected = "sha256=" + sign(secret, ts, await request.body())
     if not hmac.compare_digest(expected, sig):
-        raise ApiError(401, "bad_signature", "X-Clora-Signature does not match the body")
+        raise HttpError(401, "bad_signature", "X-Clora-Signature does not match the body")
 
 
 def build(settings: WebhookSettings, kafka_bootstrap: str, redis_url: str) -> FastAPI:
@@ -291,10 +237,10 @@ def build(settings: WebhookSettings, kafka_bootstrap: str, redis_url: str) -> Fa
     return create_app(settings, registry, producer, async_redis=async_redis_client(redis_url))
 
 
-def _registry_unavailable(e: Exception) -> ApiError:
+def _registry_unavailable(e: Exception) -> HttpError:
     log.warning("registry (Redis) unavailable: %s", e)
-    return ApiError(503, "registry_unavailable", "the registry is unavailable; nothing was stored, retry",
-                    headers={"Retry-After": "1"})
+    return HttpError(503, "registry_unavailable", "the registry is unavailable; nothing was stored, retry",
+                     headers={"Retry-After": "1"})
 
 
 def async_redis_client(redis_url: str):

@@ -27,17 +27,14 @@ from pydantic_core import to_json
 from clora.registry import Registry, RegistryError
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
-from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer, stored_flags
+from clora.ingest.buffers import BufferPolicy, ParkResult, PendingWrite, ReplayBuffer
 from clora.ingest.joiner import build_examples
 from clora.ingest.producer import EventProducer
+from clora.ingest.reports import record_dead_letters, record_lag
 from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
                                   DeadLetter, FeedbackEvent, InteractionEvent)
 
 log = logging.getLogger(__name__)
-DLQ_RECENT_KEY = "clora:dlq:recent"
-DLQ_RECENT_MAX = 1000
-LAG_KEY = "clora:ingest:lag"
-"""hash per consumer group: "topic:partition" -> lag, refreshed every ~2 s by its members"""
 
 
 @dataclass
@@ -151,8 +148,7 @@ class IngestWorker:
             if high is not None:
                 lags[f"{tp.topic}:{tp.partition}"] = max(0, high - committed)
                 metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(lags[f"{tp.topic}:{tp.partition}"])
-        if lags:  # for the console, which has no Prometheus of its own
-            self.r.hset(f"{LAG_KEY}:{self.settings.group_id}", mapping=lags)
+        record_lag(self.r, self.settings.group_id, lags)
         for tenant in self.buffers.tenants_with_data():
             for kind in EXAMPLE_KINDS:
                 metrics.BUFFER_DEPTH.labels(tenant, kind).set(self.buffers.depth(tenant, kind))
@@ -185,11 +181,7 @@ class IngestWorker:
             log.warning("dead letter from %s@%s:%s: %s", d.source_topic, d.source_partition, d.source_offset, d.reason)
             self._dlq.send(TOPIC_DLQ, key=d.key or "", value=d.model_dump_json())
         self._dlq.flush(timeout=10.0)         # durable before the offsets move on
-        pipe = self.r.pipeline()
-        for d in dead:
-            pipe.lpush(DLQ_RECENT_KEY, d.model_dump_json())
-        pipe.ltrim(DLQ_RECENT_KEY, 0, DLQ_RECENT_MAX - 1)
-        pipe.execute()
+        record_dead_letters(self.r, dead)
         metrics.DLQ.inc(len(dead))
         metrics.EVENTS.labels("any", "dead_letter").inc(len(dead))
 
@@ -197,26 +189,25 @@ class IngestWorker:
         if not interactions:
             return
         now = time.time()
-        pipe = self.r.pipeline(transaction=False)
+        batch = self.buffers.batch()
         for ix in interactions:
-            self.buffers.store_interaction(ix.tenant, ix.event_id, ix.interaction_id,
-                                           ix.model_dump_json(), now=now, pipe=pipe)
-        parked_lists = pipe.execute()
+            batch.store_interaction(ix.tenant, ix.event_id, ix.interaction_id, ix.model_dump_json(), now=now)
+        parked_lists = batch.execute()
         metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
         # Feedback that arrived before its interaction: apply it now (guarded by removal
         # from the parked hash, so a second drain of the same feedback stores nothing).
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
-        for ix, flat in zip(interactions, parked_lists):
-            for i in range(0, len(flat), 2):
-                fb = FeedbackEvent.model_validate_json(flat[i + 1])
+        for ix, parked in zip(interactions, parked_lists):
+            for body in parked:
+                fb = FeedbackEvent.model_validate_json(body)
                 # no recent-list entry: it was listed when it was parked
                 writes[ix.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), "",
                                                       parked_for=ix.interaction_id))
         if writes:
-            pipe = self.r.pipeline(transaction=False)
+            batch = self.buffers.batch()
             for tenant, items in writes.items():
-                self.buffers.add_many(tenant, items, now=now, capacity=self._capacity(tenant), pipe=pipe)
-            pipe.execute()
+                batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
+            batch.execute()
 
     def _store_feedback(self, feedback: list[FeedbackEvent]) -> None:
         todo = feedback
@@ -230,31 +221,29 @@ class IngestWorker:
         """Join what can be joined, park the rest; returns feedback whose interaction arrived
         between our read and our park (to be joined on the next pass)."""
         now = time.time()
-        raws = self.r.mget([self.buffers.interaction_key(fb.tenant, fb.interaction_id) for fb in feedback])
-        interactions: dict[bytes, InteractionEvent] = {}
+        found = self.buffers.stored_interactions([(fb.tenant, fb.interaction_id) for fb in feedback])
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
         parked: list[FeedbackEvent] = []
-        for fb, raw in zip(feedback, raws):
-            if raw is None:
+        for fb, ix in zip(feedback, found):
+            if ix is None:
                 parked.append(fb)
                 continue
-            ix = interactions.get(raw) or interactions.setdefault(raw, InteractionEvent.model_validate_json(raw))
             writes[fb.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), _recent(fb)))
-        pipe = self.r.pipeline(transaction=False)
+        batch = self.buffers.batch()
         for fb in parked:
-            self.buffers.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
-                                       now=now, recent=_recent(fb), pipe=pipe)
+            batch.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
+                                now=now, recent=_recent(fb))
         for tenant, items in writes.items():
-            self.buffers.add_many(tenant, items, now=now, capacity=self._capacity(tenant), pipe=pipe)
-        results = pipe.execute()
-        park_results = results[:len(parked)]
-        add_results = [x for raw in results[len(parked):] for x in stored_flags(raw)]
-        retry = [fb for fb, res in zip(parked, park_results) if res == -1]
+            batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
+        results = batch.execute()
+        park_results: list[ParkResult] = results[:len(parked)]
+        add_results = [stored for flags in results[len(parked):] for stored in flags]
+        retry = [fb for fb, res in zip(parked, park_results) if res == ParkResult.INTERACTION_STORED]
         stored = sum(add_results)
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "stored").inc(stored)
-        metrics.EVENTS.labels(TOPIC_FEEDBACK, "parked").inc(sum(1 for res in park_results if res == 1))
+        metrics.EVENTS.labels(TOPIC_FEEDBACK, "parked").inc(park_results.count(ParkResult.PARKED))
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "duplicate").inc(
-            len(add_results) - stored + sum(1 for res in park_results if res == 0))
+            len(add_results) - stored + park_results.count(ParkResult.DUPLICATE))
         return retry
 
     def _capacity(self, tenant: str) -> int:

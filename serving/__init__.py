@@ -1,1 +1,24 @@
-"""clora.serving"""
+"""clora.serving — the OpenAI-compatible gateway over vLLM replicas serving every tenant's
+live LoRA adapter version.
+
+| module          | owns |
+|-----------------|------|
+| `service`       | engine replicas + gateway as one unit that `clora up` or a test starts and stops |
+| `gateway`       | the FastAPI app: authentication, tenant -> adapter routing, quotas, streaming, logging |
+| `errors`        | the errors the gateway answers, in OpenAI's shape |
+| `completions`   | the upstream request sent to vLLM, the client's response, the recorded interaction events |
+| `aliases`       | `AdapterRef` (one immutable version) and the tenant -> live version table |
+| `hotswap`       | keeping each tenant's alias on the registry's live version (load, switch, drain, unload) |
+| `engine`        | the replicas behind the gateway: routing, on-demand loading, eviction, restarts |
+| `replica`       | one vLLM server process and the HTTP calls made to it |
+| `residency`     | registered vs resident adapters of one replica (LRU, pins) |
+| `quota`         | per-tenant concurrency and rate limits (429) |
+| `interactions`  | sending interaction events to Kafka off the request path, spooling through outages |
+| `spool`         | the fsync'd local spool of records the broker did not take |
+| `traffic`       | per-tenant, per-minute traffic counters for the console |
+| `metrics`       | the gateway's Prometheus metrics |
+| `settings`      | `EngineSettings` and `GatewaySettings` |
+| `zero_adapter`  | the all-zero adapter served in place of "no adapter" on CPU |
+| `vllm_cpu_lora` | clora's replacement for vLLM's CPU LoRA ops |
+| `vllm_launch`   | getting those ops into every process of a vLLM replica |
+"""

@@ -1,18 +1,17 @@
 """Tenant aliases: which adapter version a tenant's model name (`acme`) serves right now.
 
 `AdapterRef` names one immutable adapter version; its served name in vLLM is
-`{tenant}@v{version}` and its folder is never overwritten, so vLLM's prefix cache (keyed by
-name and path) can never serve stale weights. `AliasTable.switch` replaces a tenant's live
-ref in one assignment: a request resolves its ref once, at admission, and keeps it until it
-finishes, so in-flight requests stay on the version they started with.
+`clora.ids.served_name` (`acme@v7`) and its folder is never overwritten, so vLLM's prefix
+cache (keyed by name and path) can never serve stale weights. `AliasTable.switch` replaces a
+tenant's live ref in one assignment: a request resolves its ref once, at admission, and keeps
+it until it finishes, so in-flight requests stay on the version they started with.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-PINNED_RE = re.compile(r"^(?P<tenant>[a-z0-9][a-z0-9_-]{0,62})@v(?P<version>\d{1,9})$")
+from clora.ids import served_name
 
 
 @dataclass(frozen=True)
@@ -23,15 +22,7 @@ class AdapterRef:
 
     @property
     def name(self) -> str:
-        return f"{self.tenant}@v{self.version}"
-
-
-def parse_model(model: str) -> tuple[str, int | None]:
-    """`"acme"` -> ("acme", None); `"acme@v7"` -> ("acme", 7)."""
-    m = PINNED_RE.match(model)
-    if m:
-        return m["tenant"], int(m["version"])
-    return model, None
+        return served_name(self.tenant, self.version)
 
 
 class AliasTable:

@@ -5,8 +5,8 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`.
 
 `model` is the base model name, the caller's tenant id (its live adapter version; the base
-model until its first version is live) or a
-pinned version `tenant@v7`. Any other tenant's model answers 404 `model_not_found`, exactly
+model until its first version is live) or a pinned version `tenant@v7`
+(`clora.ids.served_name`). Any other tenant's model answers 404 `model_not_found`, exactly
 like a model that does not exist. The response `id` is the interaction id: it is claimed in
 the registry for the caller's tenant before the response is sent, and feedback names it.
 """
@@ -33,13 +33,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from clora.registry import ApiKeyPrincipal, Registry, RegistryError
-from clora.ids import Id
+from clora.ids import Id, parse_served_name, served_name
+from clora.web import HttpError, bearer_token, install_error_handlers, read_body
 from clora.ingest.schemas import Message
 from clora.serving import errors
-from clora.serving.aliases import AdapterRef, parse_model
+from clora.serving.aliases import AdapterRef
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
-from clora.serving.errors import ApiError
 from clora.serving.hotswap import HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import UNAUTHENTICATED, GatewayMetrics
@@ -76,29 +76,18 @@ class Gateway:
     # --- admission ----------------------------------------------------------------------
 
     async def authenticate(self, request: Request) -> ApiKeyPrincipal:
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        key = bearer_token(request.headers)
+        if not key:
             raise errors.invalid_api_key()
-        principal = await asyncio.to_thread(self.registry.authenticate, key.strip())
+        principal = await asyncio.to_thread(self.registry.authenticate, key)
         if principal is None:
             raise errors.invalid_api_key()
         return principal
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
+        raw = await read_body(request, self.settings.max_body_bytes)
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except ValueError as e:
             raise errors.bad_request(f"request body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
@@ -147,7 +136,7 @@ class Gateway:
         """The adapter `model` names for this caller (None: the base model)."""
         if model == self.engine.settings.base_name:
             return None
-        tenant, version = parse_model(model)
+        tenant, version = parse_served_name(model)
         if tenant != principal.tenant:
             raise errors.model_not_found(model)
         if version is None:
@@ -167,7 +156,7 @@ class Gateway:
             principal = await self.authenticate(request)
             tenant = principal.tenant
             response = await self._complete(principal, request, kind, path, started)
-        except ApiError as e:
+        except HttpError as e:
             self.metrics.answered(tenant, kind, e.status, time.monotonic() - started)
             raise
         except Exception:
@@ -250,8 +239,7 @@ class Gateway:
             self.engine.mark_failed(lease.replica, e)
             raise errors.unavailable(f"engine replica {lease.replica.index} failed mid-request: {e}") from e
         except httpx.TimeoutException as e:
-            raise ApiError(504, f"engine did not answer within {self.settings.upstream_timeout_s} s",
-                           type="server_error", code="timeout") from e
+            raise errors.timeout(self.settings.upstream_timeout_s) from e
         if r.status_code != 200:
             return _upstream_error(r.status_code, r.content)
         out = rec.finish(r.json())
@@ -295,12 +283,11 @@ class Gateway:
                 self.engine.mark_failed(lease.replica, e)
                 err = errors.unavailable(f"engine replica {lease.replica.index} failed mid-stream: {e}")
                 status = err.status
-                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                yield f"data: {json.dumps(err.body(errors.SHAPE))}\n\n".encode()
             except httpx.TimeoutException:
-                err = ApiError(504, f"engine did not answer within {self.settings.upstream_timeout_s} s",
-                               type="server_error", code="timeout")
+                err = errors.timeout(self.settings.upstream_timeout_s)
                 status = err.status
-                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                yield f"data: {json.dumps(err.body(errors.SHAPE))}\n\n".encode()
             finally:
                 if complete and failed is None:
                     self._record(rec)
@@ -320,8 +307,9 @@ class Gateway:
                     if versions else 0, "owned_by": principal.tenant, "root": live.name if live else base,
                     "parent": base})
         for v in versions:
-            out.append({"id": f"{principal.tenant}@v{v.version}", "object": "model", "created": int(v.created_at),
-                        "owned_by": principal.tenant, "root": f"{principal.tenant}@v{v.version}", "parent": base})
+            name = served_name(principal.tenant, v.version)
+            out.append({"id": name, "object": "model", "created": int(v.created_at),
+                        "owned_by": principal.tenant, "root": name, "parent": base})
         return out
 
 
@@ -347,7 +335,7 @@ def _upstream_error(status: int, content: bytes) -> JSONResponse:
 
 def create_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="clora gateway", docs_url=None, redoc_url=None)
-    app.add_exception_handler(ApiError, errors.handle_api_error)
+    install_error_handlers(app, errors.SHAPE)
 
     @app.get("/health")
     async def health() -> JSONResponse:

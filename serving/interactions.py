@@ -60,10 +60,6 @@ class InteractionLogger:
     def queued(self) -> int:
         return self._q.qsize()
 
-    def backlog(self) -> int:
-        """Events not yet acknowledged by the broker (queued + spooled)."""
-        return self._q.qsize() + self.spool.count()
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """Flush what can be flushed; the rest stays in the spool for the next start. After
         `timeout_s` the broker is given up on: what is still queued goes to the spool."""

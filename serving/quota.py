@@ -26,7 +26,7 @@ class TenantQuota:
     _tenants: dict[str, _TenantState] = field(default_factory=dict)
 
     def acquire(self, tenant: str) -> None:
-        """Admit one request or raise a 429 `ApiError`. Pair with `release`."""
+        """Admit one request or raise a 429 `HttpError`. Pair with `release`."""
         now = self.clock()
         st = self._tenants.get(tenant)
         if st is None:

@@ -140,11 +140,11 @@ def test_rollback_and_promote_are_announced(stack, console, registry, tenant_id,
 
 
 def test_dlq_replay_republishes_the_payload(stack, console, redis_client, tenant_id):
+    from clora.ingest.reports import record_dead_letters
     from clora.ingest.schemas import DeadLetter
-    from clora.ingest.worker import DLQ_RECENT_KEY
 
     letter = DeadLetter(source_topic="clora.feedback", key=tenant_id, reason="test", payload='{"fixed": true}')
-    redis_client.lpush(DLQ_RECENT_KEY, letter.model_dump_json())
+    record_dead_letters(redis_client, [letter])
     listed = httpx.get(f"{console.url}/api/dlq", headers=admin(console)).json()["dead_letters"]
     assert any(d["event_id"] == letter.event_id for d in listed)
     r = httpx.post(f"{console.url}/api/dlq/{letter.event_id}/replay", headers=admin(console))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clora.ingest.buffers import BufferPolicy, PendingWrite, ReplayBuffer, is_heldout
+from clora.ingest.buffers import BufferPolicy, ParkResult, PendingWrite, ReplayBuffer, is_heldout
 from clora.ingest.schemas import RLSample, SFTExample
 
 pytestmark = pytest.mark.integration
@@ -177,14 +177,37 @@ def test_feedback_first_then_interaction_joins_once(redis_client, tenant_id):
     ix = InteractionEvent(tenant=tenant_id, interaction_id="i9", messages=[{"role": "user", "content": "q"}],
                           response={"role": "assistant", "content": "a"})
     for _ in range(2):  # a redelivered interaction drains nothing twice
-        parked = buf.store_interaction(tenant_id, ix.event_id, "i9", ix.model_dump_json(), now=time.time())
-        for j in range(0, len(parked), 2):
-            f = FeedbackEvent.model_validate_json(parked[j + 1])
+        for body in buf.store_interaction(tenant_id, ix.event_id, "i9", ix.model_dump_json(), now=time.time()):
+            f = FeedbackEvent.model_validate_json(body)
             buf.add_examples(tenant_id, f.event_id, build_examples(ix, f), now=time.time(), parked_for="i9")
     assert buf.depth(tenant_id, "rl") == 1
     assert buf.version_rewards(tenant_id)[None].n == 1
     # with the interaction stored, parking is refused: the caller must join directly
     assert buf.park_feedback(tenant_id, "f10", "i9", fb.model_dump_json(), now=time.time()) == -1
+
+
+def test_a_batch_of_writes_answers_what_each_write_alone_would(redis_client, tenant_id):
+    """One pipeline for the worker's writes: each call's reply decoded in the order queued."""
+    from clora.ingest.schemas import FeedbackEvent, FeedbackIn, InteractionEvent
+
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+    fb = FeedbackEvent.accept(tenant_id, FeedbackIn(interaction_id="i7", event_id="f7", score=1.0))
+    assert buf.add_examples(tenant_id, "fb1", [sft(tenant_id, 1)], now=time.time()) == 1
+    batch = buf.batch()
+    batch.park_feedback(tenant_id, fb.event_id, "i7", fb.model_dump_json(), now=time.time())
+    batch.park_feedback(tenant_id, fb.event_id, "i7", fb.model_dump_json(), now=time.time())
+    batch.add_many(tenant_id, [PendingWrite("fb2", [sft(tenant_id, 2)]), PendingWrite("fb1", [sft(tenant_id, 1)])],
+                   now=time.time())
+    assert batch.execute() == [ParkResult.PARKED, ParkResult.DUPLICATE, [1, 0]]
+    ix = InteractionEvent(tenant=tenant_id, interaction_id="i7", messages=[{"role": "user", "content": "q"}],
+                          response={"role": "assistant", "content": "a"})
+    batch = buf.batch()
+    batch.store_interaction(tenant_id, ix.event_id, "i7", ix.model_dump_json(), now=time.time())
+    batch.park_feedback(tenant_id, "f8", "i7", fb.model_dump_json(), now=time.time())
+    (parked,), park = batch.execute()
+    assert FeedbackEvent.model_validate_json(parked).event_id == "f7"
+    assert park == ParkResult.INTERACTION_STORED
+    assert buf.stored_interactions([(tenant_id, "i7"), (tenant_id, "i8"), (tenant_id, "i7")]) == [ix, None, ix]
 
 
 def test_buffers_survive_redis_restart(stack, redis_client, tenant_id, wait_for):

@@ -1,5 +1,5 @@
-"""Event schemas: the documented examples validate, bad records are refused naming the field,
-and the joiner builds the right examples from an interaction and its feedback."""
+"""Event schemas (clora.ingest.schemas): the documented examples validate, and bad records are
+refused naming the field."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from pydantic import ValidationError
 
 from clora.ingest import schemas
-from clora.ingest.joiner import build_examples
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "events.md"
 
@@ -36,11 +35,6 @@ def _ix(**kw) -> schemas.InteractionEvent:
     return schemas.InteractionEvent.model_validate({**base, **kw})
 
 
-def _fb(**kw) -> schemas.FeedbackEvent:
-    rec = schemas.FeedbackIn.model_validate({"interaction_id": "i1", "event_id": "f1", **kw})
-    return schemas.FeedbackEvent.accept("acme", rec)
-
-
 @pytest.mark.parametrize("body, field", [
     ({"interaction_id": "i1"}, "feedback needs at least one"),
     ({"interaction_id": "i1", "score": "high"}, "score"),
@@ -61,34 +55,3 @@ def test_bad_feedback_names_the_problem(body, field):
 def test_logprobs_must_align_with_tokens():
     with pytest.raises(ValidationError, match="align"):
         _ix(completion_logprobs=[-0.1])
-
-
-def test_correction_gives_sft_and_preference():
-    out = build_examples(_ix(), _fb(correction={"role": "assistant", "content": "4"}))
-    assert [e.kind for e in out] == ["sft", "preference"]
-    sft, pref = out
-    assert sft.target.content == "4" and sft.messages[0].content == "2+2?"
-    assert pref.chosen.content == "4" and pref.rejected.content == "5"
-    assert sft.adapter_version == 3 and sft.example_id == "f1:sft"
-
-
-def test_correction_equal_to_answer_gives_no_pair():
-    out = build_examples(_ix(), _fb(correction={"role": "assistant", "content": "5"}))
-    assert [e.kind for e in out] == ["sft"]
-
-
-def test_score_gives_rl_sample_with_behaviour_logprobs():
-    (rl,) = build_examples(_ix(), _fb(score=0.0, source="environment"))
-    assert rl.reward == 0.0 and rl.behaviour_logprobs == [-0.1, -0.2] and rl.group_id == "g1"
-    assert rl.episode_id == "i1"          # a first turn (no metadata.episode_id) starts its own episode
-    (later,) = build_examples(_ix(interaction_id="i2", episode_id="i1"), _fb(interaction_id="i2", score=1.0))
-    assert later.episode_id == "i1"
-
-
-def test_comment_only_gives_nothing():
-    assert build_examples(_ix(), _fb(comment="meh")) == []
-
-
-def test_join_refuses_cross_tenant():
-    with pytest.raises(ValueError, match="tenant"):
-        build_examples(_ix(tenant="other"), _fb(score=1))

@@ -15,6 +15,7 @@ import redis
 
 from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.producer import EventProducer
+from clora.ingest.reports import recent_dead_letters
 from clora.ingest.schemas import (TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS, FeedbackEvent, FeedbackIn,
                                   InteractionEvent)
 from tests.kafka_read import read_keyed
@@ -84,10 +85,10 @@ def test_invalid_records_go_to_the_dead_letter_topic(stack, ingest_worker, redis
     producer.close()
 
     def mine():
-        return [json.loads(x) for x in redis_client.lrange("clora:dlq:recent", 0, 200) if tenant_id.encode() in x]
+        return [d for d in recent_dead_letters(redis_client, 200) if d.key == tenant_id]
 
     letters = wait_for(lambda: len(mine()) >= 3 and mine(), what="3 dead letters")
-    reasons = " | ".join(d["reason"] for d in letters)
+    reasons = " | ".join(d.reason for d in letters)
     assert "invalid FeedbackEvent" in reasons and "event_id" in reasons and "does not match tenant" in reasons
 
     on_topic = [json.loads(v) for v in read_keyed(stack.kafka_bootstrap, TOPIC_DLQ, tenant_id, lambda vs: len(vs) >= 3)]

@@ -1,8 +1,11 @@
 """Serving test fixtures: one tiny base model, a pool of PEFT adapters, and ONE engine +
-gateway (`serving`) started per test session (vLLM takes ~20-60 s to start on this machine).
+gateway (`serving`) started per test session (vLLM takes tens of seconds to start).
 
-Tenants get adapter versions through `make_tenant`, which copies a pool adapter into a fresh
+Tenants get adapter versions through `tenants.create`, which copies a pool adapter into a fresh
 folder per version (a version's folder is never reused) and records it in the registry.
+
+A test that breaks what the session shares (kills a replica, freezes the broker) is marked
+`disrupts_shared_stack`; `pytest_collection_modifyitems` runs those after every other test.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
 POOL_SEEDS = (11, 12, 13, 14, 15, 16)
+DISRUPTS = "disrupts_shared_stack"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{DISRUPTS}: breaks the session's shared engine or broker (it recovers "
+                            "them, but runs after every other test)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Move the tests marked `disrupts_shared_stack` after all others, keeping each group's order."""
+    items.sort(key=lambda item: item.get_closest_marker(DISRUPTS) is not None)   # a stable sort
 
 
 @pytest.fixture(scope="session")

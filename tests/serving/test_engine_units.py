@@ -198,7 +198,7 @@ def test_the_gateway_drops_idle_engine_connections_before_the_replica_does(tmp_p
 
 
 def test_an_unload_that_fails_while_freeing_a_slot_is_a_transient_load_error(tmp_path):
-    """It used to escape as a ReplicaError: a 500 on the request path, and the end of the hot-swap
+    """Not a ReplicaError, which would be a 500 on the request path and would end the hot-swap
     poller when a preload hit it."""
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(500 if request.url.path.endswith("unload_lora_adapter") else 200, text="boom")

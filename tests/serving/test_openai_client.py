@@ -242,8 +242,8 @@ def test_idle_connections_stay_open_longer_than_clients_reuse_them(serving):
     """The gateway reuses an idle connection to a replica for up to half the replica's keep-alive,
     and clients reuse theirs to the gateway for up to 5 s (httpx, the openai SDK). Neither server
     may close such a connection first: a request sent on a connection the server is closing at
-    that moment fails (vLLM's default keep-alive was 5 s, and that race failed a request under
-    load now and then)."""
+    that moment fails (vLLM's default keep-alive is 5 s, as short as the clients' reuse, so the
+    replicas are started with a longer one)."""
     engine = serving.gateway.engine
     replica = f"http://{engine.settings.host}:{engine.replicas[0].port}/health"
     gateway = serving.url.removesuffix("/v1") + "/health"

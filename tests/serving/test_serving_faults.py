@@ -1,4 +1,5 @@
-"""Faults (run last: they disturb the shared engine and broker).
+"""Faults serving survives. They disturb the session's shared engine and broker, so they are
+marked `disrupts_shared_stack` and run after every other test (tests/serving/conftest.py).
 
 - The broker is frozen (SIGSTOP; the embedded Tansu keeps its data in memory, so it is not
   killed): serving continues, events are spooled to disk and arrive after SIGCONT.
@@ -15,7 +16,7 @@ import time
 import openai
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.disrupts_shared_stack]
 
 
 def test_broker_stopped_serving_continues_and_spool_drains(serving, stack, tenants, client_for, interactions):

@@ -1,0 +1,177 @@
+"""The interaction logger (clora.serving.interactions) against fake producers: it spools through a
+broker outage and sends in order later, sets aside what the broker refuses for good, outlives
+unexpected errors, and spools what a silent broker did not take when it stops."""
+
+from __future__ import annotations
+
+import json
+
+from kafka.errors import InvalidRecordError, KafkaTimeoutError, MessageSizeTooLargeError
+
+from clora.ingest.producer import BrokerUnavailable
+from clora.ingest.schemas import InteractionEvent, Message
+from clora.serving.interactions import InteractionLogger
+from clora.serving.spool import DiskSpool
+
+
+class FlakyProducer:
+    def __init__(self):
+        self.up = False
+        self.got: list[str] = []
+
+    def send(self, topic, key, value):
+        if not self.up:
+            raise KafkaTimeoutError("broker down")
+        self.got.append(json.loads(value)["interaction_id"])
+        return _Done()
+
+    def close(self):
+        pass
+
+
+class _Done:
+    def get(self, timeout=None):
+        return None
+
+
+def _event(i: int) -> InteractionEvent:
+    return InteractionEvent(tenant="acme", interaction_id=f"i{i}", messages=[Message(role="user", content="q")],
+                            response=Message(role="assistant", content="a"))
+
+
+def test_logger_spools_while_broker_down_and_sends_in_order_later(tmp_path):
+    import time
+
+    prod = FlakyProducer()
+    lg = InteractionLogger(lambda: prod, DiskSpool(tmp_path), retry_s=0.05).start()
+    for i in range(5):
+        lg.submit(_event(i))
+    deadline = time.time() + 5
+    while lg.spool.count() < 5 and time.time() < deadline:
+        time.sleep(0.02)
+    assert lg.spool.count() == 5 and prod.got == []
+    prod.up = True
+    lg.submit(_event(5))
+    deadline = time.time() + 5
+    while len(prod.got) < 6 and time.time() < deadline:
+        time.sleep(0.02)
+    assert prod.got == [f"i{i}" for i in range(6)]
+    assert lg.spool.count() == 0
+    lg.stop()
+
+
+class PickyProducer(FlakyProducer):
+    """Refuses for good what kafka-python would: a record too large to send (at `send`, as
+    `EventProducer` reports it) or one the broker rejects (at the ack)."""
+
+    def send(self, topic, key, value):
+        iid = json.loads(value)["interaction_id"]
+        if iid == "i1":
+            raise BrokerUnavailable("could not queue a record") from MessageSizeTooLargeError("1.2 MB")
+        if iid == "i2":
+            return _Refused()
+        return super().send(topic, key, value)
+
+
+class _Refused:
+    def get(self, timeout=None):
+        raise InvalidRecordError("broker refused the record")
+
+
+def _wait(predicate, timeout_s=5.0):
+    import time
+
+    deadline = time.time() + timeout_s
+    while not predicate() and time.time() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_record_the_broker_refuses_for_good_is_set_aside_and_the_rest_flow(tmp_path):
+    prod = PickyProducer()
+    lg = InteractionLogger(lambda: prod, DiskSpool(tmp_path), retry_s=0.05).start()
+    for i in range(4):  # broker down: all four go to the spool
+        lg.submit(_event(i))
+    assert _wait(lambda: lg.spool.count() == 4)
+    prod.up = True
+    lg.submit(_event(4))
+    assert _wait(lambda: prod.got == ["i0", "i3", "i4"]), prod.got
+    assert _wait(lambda: lg.spool.empty()) and lg.rejected == 2
+    rejected = [json.loads(line) for line in (tmp_path / "rejected.jsonl").read_text().splitlines()]
+    assert [json.loads(r["value"])["interaction_id"] for r in rejected] == ["i1", "i2"]
+    assert "MessageSizeTooLargeError" in rejected[0]["error"]
+    lg.submit(_event(5))  # not blocked behind them
+    assert _wait(lambda: prod.got[-1:] == ["i5"])
+    lg.stop()
+
+
+class _FailingOnceSpool(DiskSpool):
+    def __init__(self, dir):
+        super().__init__(dir)
+        self.failures = 1
+
+    def append(self, records):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(28, "No space left on device")
+        super().append(records)
+
+
+def test_the_logger_outlives_an_unexpected_error_and_keeps_the_batch(tmp_path):
+    prod = FlakyProducer()
+    lg = InteractionLogger(lambda: prod, _FailingOnceSpool(tmp_path), retry_s=0.05).start()
+    lg.submit(_event(0))  # broker down, and the spool's first write fails
+    assert _wait(lambda: lg.spool.count() == 1)  # kept and spooled on the next round
+    prod.up = True
+    lg.submit(_event(1))
+    assert _wait(lambda: prod.got == ["i0", "i1"]), prod.got
+    lg.stop()
+
+
+class _FailingOnceReadSpool(DiskSpool):
+    def __init__(self, dir):
+        super().__init__(dir)
+        self.failures = 0
+
+    def pending(self, limit=1000):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(5, "Input/output error")
+        return super().pending(limit)
+
+
+def test_a_batch_already_spooled_is_not_spooled_again_when_the_drain_fails(tmp_path):
+    prod = FlakyProducer()
+    lg = InteractionLogger(lambda: prod, _FailingOnceReadSpool(tmp_path), retry_s=0.05).start()
+    lg.submit(_event(0))  # broker down: spooled
+    assert _wait(lambda: lg.spool.count() == 1)
+    lg.spool.failures = 1
+    lg.submit(_event(1))  # appended to the spool, then the drain's read fails once
+    assert _wait(lambda: lg.spool.failures == 0 and lg.spool.count() == 2)
+    prod.up = True
+    assert _wait(lambda: prod.got == ["i0", "i1"]), prod.got  # each once
+    lg.stop()
+
+
+class _Hanging:
+    def get(self, timeout=None):
+        import time
+
+        time.sleep(timeout)
+        raise KafkaTimeoutError("no ack")
+
+
+class HangingProducer(FlakyProducer):
+    """A broker that takes records and never acknowledges them."""
+
+    def send(self, topic, key, value):
+        return _Hanging()
+
+
+def test_stop_spools_what_a_silent_broker_did_not_take_in_time(tmp_path):
+    lg = InteractionLogger(lambda: HangingProducer(), DiskSpool(tmp_path), retry_s=0.05, ack_timeout_s=0.5).start()
+    for i in range(3):
+        lg.submit(_event(i))
+    lg.stop(timeout_s=0.1)  # the thread is still waiting for acks: stop gives the broker up, then closes
+    assert not lg._thread.is_alive()
+    assert [json.loads(r.value)["interaction_id"] for r in DiskSpool(tmp_path).pending()] == ["i0", "i1", "i2"]
