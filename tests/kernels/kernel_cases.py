@@ -58,3 +58,22 @@ def stacked_adapters(
         b[i, :rank] = torch.randn(rank, hidden_out, generator=g) / rank**0.5
     scale = torch.tensor([(2.0 + i) / rank for i, rank in enumerate(ranks)], dtype=torch.float32) * 4  # alpha / rank
     return a.to(dtype), b.to(dtype), scale
+
+
+def assert_within_rounding(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, depth: int,
+                           what: str = "") -> None:
+    """`got` (fp32) equals `exact` (the same arithmetic in fp64) up to fp32 rounding, elementwise.
+
+    The classic bound for a sum of products: |fl(sum) - sum| <= gamma_n * sum |terms|, with
+    gamma_n = n * u / (1 - n * u), u = fp32's unit roundoff and n the length of the reduction
+    chain (`depth`: every product and accumulation that fed the element). `magnitude` is that
+    sum of |terms| per element, which the same arithmetic computes when run on absolute values
+    in fp64. So the tolerance grows with the reduction as the rounding does, on any machine's
+    BLAS order, and a wrong term (an error of the size of a term) still fails it."""
+    u = torch.finfo(torch.float32).eps / 2
+    gamma = depth * u / (1 - depth * u)
+    bound = gamma * magnitude + torch.finfo(torch.float32).tiny
+    err = (got.double() - exact).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, (f"{what}: error {err.max().item():.3g} exceeds the fp32 rounding bound "
+                          f"(worst element at {worst:.2f}x its bound {bound.flatten()[(err / bound).argmax()].item():.3g})")
