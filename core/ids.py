@@ -1,12 +1,19 @@
-"""Ids every part shares: tenant ids, event ids and the served name of an adapter version.
+"""Ids every part shares: tenant ids, event ids, the served name of an adapter version and the
+interaction ids of a response's choices.
 
 A tenant id is a short slug, because it appears in Redis keys, adapter folders, served names
 and URLs. An adapter version is served under one name, `{tenant}@v{version}` (`acme@v7`);
 `served_name` builds it and `parse_served_name` reads it back, and nothing else spells it.
+A response with n > 1 choices is one response `id` whose choices are recorded, and take
+feedback, as `{id}-0` ... `{id}-{n-1}` (`choice_ids`).
+
+Every pattern here is matched whole (`fullmatch`): `^...$` would let a final newline through,
+since Python's `$` also matches before one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from typing import Annotated
@@ -14,13 +21,21 @@ from typing import Annotated
 from pydantic import Field
 
 TENANT_ID_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"
-TENANT_ID_RE = re.compile(rf"^{TENANT_ID_PATTERN}$")
-"""Tenant ids are short slugs: they appear in Redis keys, adapter names and URLs."""
+TENANT_ID_RE = re.compile(TENANT_ID_PATTERN)
+"""Tenant ids are short slugs: they appear in Redis keys, adapter names and URLs (`fullmatch`)."""
 
-SERVED_NAME_RE = re.compile(rf"^(?P<tenant>{TENANT_ID_PATTERN})@v(?P<version>\d{{1,9}})$")
+SERVED_NAME_RE = re.compile(rf"(?P<tenant>{TENANT_ID_PATTERN})@v(?P<version>[0-9]{{1,9}})")
+"""`{tenant}@v{version}` (`fullmatch`); `[0-9]`, because `\\d` also matches other scripts' digits."""
+
+RESERVED_TENANT_IDS = frozenset({"base"})
+"""Model names the gateway gives a meaning of their own, so no tenant may be called one: a
+tenant's model name is its id, and `base` (the default `CLORA_ENGINE_BASE_NAME`) names the
+frozen base model. A platform serving the base model under another name reserves that name too
+(`Registry(reserved_ids=...)`)."""
 
 Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")]
-"""An event, interaction or feedback id as clients may send it."""
+"""An event, interaction or feedback id as clients may send it. pydantic-core matches `pattern`
+with Rust's regex engine, whose `$` is the end of the text: a final newline is refused."""
 
 
 def new_id(prefix: str = "ev") -> str:
@@ -28,9 +43,17 @@ def new_id(prefix: str = "ev") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def derived_id(prefix: str, *parts: str) -> str:
+    """The id the same `parts` always give, shaped like `new_id`'s: `{prefix}-{32 hex digits}`
+    of their SHA-256. The webhook names the events of a signed request without `event_id`s by
+    its signature and each record's index, so a replayed request gets the ids it got before."""
+    digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+    return f"{prefix}-{digest[:32]}"
+
+
 def validate_tenant_id(value: str) -> str:
     """`value` if it is a tenant id, else ValueError saying what one looks like."""
-    if not TENANT_ID_RE.match(value):
+    if not isinstance(value, str) or not TENANT_ID_RE.fullmatch(value):
         raise ValueError("tenant id must be 1-63 chars of a-z, 0-9, '_' or '-', starting with a letter or digit")
     return value
 
@@ -44,7 +67,14 @@ def served_name(tenant: str, version: int) -> str:
 def parse_served_name(model: str) -> tuple[str, int | None]:
     """A `model` field as a client sends it: `"acme"` -> ("acme", None) (the live version);
     `"acme@v7"` -> ("acme", 7) (that version, pinned)."""
-    m = SERVED_NAME_RE.match(model)
+    m = SERVED_NAME_RE.fullmatch(model)
     if m:
         return m["tenant"], int(m["version"])
     return model, None
+
+
+def choice_ids(response_id: str, n: int) -> list[str]:
+    """The interaction ids of a response's `n` choices, which feedback names:
+    `choice_ids("chatcmpl-1", 1)` is `["chatcmpl-1"]`, `choice_ids("chatcmpl-1", 3)` is
+    `["chatcmpl-1-0", "chatcmpl-1-1", "chatcmpl-1-2"]`."""
+    return [response_id] if n == 1 else [f"{response_id}-{i}" for i in range(n)]

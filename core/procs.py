@@ -1,5 +1,12 @@
 """Process helpers any part may use: is a port open, does a URL answer, a free port for a
-service about to start, and children that die with their parent.
+service about to start, children that die with their parent, and the heartbeat a long-running
+service gives its supervisor.
+
+    beat = Heartbeat.from_env()       # the file `clora up` named in CLORA_HEARTBEAT_FILE, if any
+    beat.start_watchdog(60.0)         # exit (code 70) if the loop below stalls for 60 s
+    while running:
+        beat.beat()                   # once per pass of the main loop
+        ...
 """
 
 from __future__ import annotations
@@ -9,6 +16,9 @@ import random
 import signal
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -29,6 +39,21 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def http_answers(url: str, timeout: float = 2.0) -> bool:
+    """True when GET `url` gets any HTTP answer, an error status included (a server that answers
+    503 while its engine restarts is alive); False when nothing answers in time."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
@@ -82,3 +107,73 @@ def terminate_with_parent():
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     PR_SET_PDEATHSIG = 1
     return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+HEARTBEAT_ENV = "CLORA_HEARTBEAT_FILE"
+"""The environment variable through which a supervisor names a child's heartbeat file."""
+
+WATCHDOG_EXIT_CODE = 70
+"""A service's exit code when its own watchdog found its main loop stalled."""
+
+
+class Heartbeat:
+    """The liveness signal of one service: each `beat()` (one per pass of its main loop) records
+    the time in-process and, at most every `min_interval_s`, touches the heartbeat file, whose
+    modification time the supervisor watches. A loop blocked in a call that never returns stops
+    beating, and the supervisor kills and restarts the process.
+
+    `start_watchdog` adds the in-process half: a daemon thread that logs every thread's stack
+    and exits the process when no beat came for `stall_s`, for services run without a supervisor.
+    """
+
+    def __init__(self, path: Path | None, *, min_interval_s: float = 0.5):
+        self.path = path
+        self.min_interval_s = min_interval_s
+        self.last = time.monotonic()
+        self._touched = 0.0
+
+    @classmethod
+    def from_env(cls) -> "Heartbeat":
+        """The heartbeat the supervisor asked for (`CLORA_HEARTBEAT_FILE`); without it, beats
+        are only seen by the watchdog."""
+        path = os.environ.get(HEARTBEAT_ENV)
+        return cls(Path(path) if path else None)
+
+    def beat(self) -> None:
+        self.last = now = time.monotonic()
+        if self.path is not None and now - self._touched >= self.min_interval_s:
+            self.path.touch()
+            self._touched = now
+
+    def start_watchdog(self, stall_s: float, on_stall: Callable[[float], None] | None = None) -> threading.Thread:
+        """Watch the beats from a daemon thread: when none came for `stall_s`, log the stacks and
+        call `on_stall(seconds_since_last_beat)`, by default exiting with `WATCHDOG_EXIT_CODE`."""
+        import faulthandler
+        import logging
+
+        def exit_now(silent_s: float) -> None:
+            os._exit(WATCHDOG_EXIT_CODE)
+
+        def watch() -> None:
+            while True:
+                silent = time.monotonic() - self.last
+                if silent > stall_s:
+                    logging.getLogger(__name__).error(
+                        "main loop made no progress for %.0f s (watchdog limit %.0f s): a call is blocked; "
+                        "the stacks follow, then the process exits for its supervisor to restart it", silent, stall_s)
+                    faulthandler.dump_traceback(all_threads=True)
+                    (on_stall or exit_now)(silent)
+                    return
+                time.sleep(min(1.0, stall_s / 4))
+
+        thread = threading.Thread(target=watch, name="watchdog", daemon=True)
+        thread.start()
+        return thread
+
+
+def heartbeat_mtime(path: Path) -> float | None:
+    """When `path` was last beaten (its modification time), None before the first beat."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None

@@ -10,8 +10,13 @@ Keys (all under `clora:`):
     clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
     clora:tenant:{id}:live             the live version number
     clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
+    clora:ichoices:{response id}       how many choices a response with n > 1 had (TTL): feedback
+                                       names one of them, `{response id}-{index}`
     clora:tenant:{id}:metrics          list of JSON points (step, loss, reward, eval) for the console
     clora:tenant:{id}:traffic:{minute} hash of the gateway's counters for one minute (TTL 2 days)
+
+Every key built from a tenant id checks it first (`TenantNotFound` for an id no tenant can
+have): `acme:keys` must never reach the key of tenant `acme`'s keys.
 
 API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
 256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
@@ -23,15 +28,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from clora.ids import validate_tenant_id
+from clora.ids import RESERVED_TENANT_IDS, TENANT_ID_RE, choice_ids, validate_tenant_id
+
+log = logging.getLogger(__name__)
 
 PREFIX = "clora:"
 METRICS_HISTORY = 2000
@@ -156,10 +166,15 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def check_init_adapter(folder: str | Path) -> str:
     """The absolute path of a PEFT adapter folder holding both `ADAPTER_FILES`, or
     `InvalidTenantField("init_adapter", ...)` saying what is missing."""
-    path = Path(folder).expanduser().resolve()
-    if not path.is_dir():
-        raise InvalidTenantField("init_adapter", f"{path} is not a directory")
-    missing = [f for f in ADAPTER_FILES if not (path / f).is_file()]
+    if "\x00" in str(folder):
+        raise InvalidTenantField("init_adapter", "a path cannot contain a NUL character")
+    try:
+        path = Path(folder).expanduser().resolve()
+        if not path.is_dir():
+            raise InvalidTenantField("init_adapter", f"{path} is not a directory")
+        missing = [f for f in ADAPTER_FILES if not (path / f).is_file()]
+    except (OSError, RuntimeError) as e:   # a name too long, a symlink loop, no home for `~`
+        raise InvalidTenantField("init_adapter", f"{str(folder)[:200]!r} cannot be read: {e}") from e
     if missing:
         raise InvalidTenantField("init_adapter",
                                  f"{path} is not a PEFT LoRA adapter folder: missing {', '.join(missing)}")
@@ -179,15 +194,22 @@ def new_api_key() -> tuple[str, str]:
 class Registry:
     """Tenants, keys and adapter versions. Thread-safe as long as the client is."""
 
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, reserved_ids: Iterable[str] = ()):
+        """`reserved_ids`: names no new tenant may take besides `RESERVED_TENANT_IDS` (the
+        platform's own base-model name, when it is not `base`)."""
         self.r = client
+        self.reserved_ids = RESERVED_TENANT_IDS | frozenset(reserved_ids)
 
     # --- tenants --------------------------------------------------------------------------
 
     def create_tenant(self, tenant_id: str, *, name: str = "", policy: LearningPolicy | None = None,
                       signing_secret: str | None = None, init_adapter: str | Path | None = None) -> tuple[Tenant, str]:
         """Create a tenant and its first API key. Returns (tenant, key): the key is shown once.
-        `init_adapter`: a PEFT LoRA folder to start from (see `Tenant.init_adapter`)."""
+        `init_adapter`: a PEFT LoRA folder to start from (see `Tenant.init_adapter`).
+        A reserved name (`RESERVED_TENANT_IDS`) is `InvalidTenantField("id", ...)`."""
+        if tenant_id in self.reserved_ids:
+            raise InvalidTenantField("id", f"{tenant_id!r} is reserved: the gateway serves the base model "
+                                     "under that name")
         tenant = Tenant(id=tenant_id, name=name, policy=policy or LearningPolicy(),
                         signing_secret=signing_secret,
                         init_adapter=check_init_adapter(init_adapter) if init_adapter is not None else None)
@@ -203,12 +225,18 @@ class Registry:
         return Tenant.model_validate_json(raw)
 
     def list_tenants(self) -> list[Tenant]:
-        ids = sorted(i.decode() for i in self.r.smembers(PREFIX + "tenants"))
+        """Every tenant, by id. One whose id is no longer valid (a tenant id with a final newline
+        got through before ids were matched whole) is left out, with a warning naming it."""
+        ids = sorted(i.decode(errors="replace") for i in self.r.smembers(PREFIX + "tenants"))
+        for bad in [i for i in ids if not TENANT_ID_RE.fullmatch(i)]:
+            log.warning("tenant %r is not listed: its id is not a valid tenant id (rename it)", bad)
+            ids.remove(bad)
         raws = self.r.mget([self._tkey(i) for i in ids]) if ids else []
         return [Tenant.model_validate_json(raw) for raw in raws if raw is not None]
 
-    def update_policy(self, tenant_id: str, **changes: object) -> LearningPolicy:
-        """Apply validated changes to a tenant's policy (unknown fields are refused)."""
+    def update_policy(self, tenant_id: str, /, **changes: object) -> LearningPolicy:
+        """Apply validated changes to a tenant's policy (unknown fields are refused, whatever
+        their name: `tenant_id` too)."""
         tenant = self.get_tenant(tenant_id)
         policy = LearningPolicy.model_validate({**tenant.policy.model_dump(), **changes})
         self._save(tenant.model_copy(update={"policy": policy}))
@@ -279,6 +307,20 @@ class Registry:
 
     def interaction_owners(self, interaction_ids: list[str]) -> list[str | None]:
         return _owners(self.r.mget([_owner_key(i) for i in interaction_ids]))
+
+    def claim_response(self, response_id: str, tenant_id: str, choices: int,
+                       ttl_s: int = 7 * 24 * 3600) -> list[str]:
+        """Record, in one round trip, which tenant a response and its choices were served to,
+        and for n > 1 how many choices it had, so that feedback on the bare response id is told
+        which ids to use (`fetch_multi_choice`). Returns the interaction ids (`choice_ids`)."""
+        ids = choice_ids(response_id, choices)
+        pipe = self.r.pipeline()
+        for interaction_id in ids:
+            pipe.set(_owner_key(interaction_id), tenant_id, ex=ttl_s)
+        if choices > 1:
+            pipe.set(_choices_key(response_id), choices, ex=ttl_s)
+        pipe.execute()
+        return ids
 
     # --- adapter versions -----------------------------------------------------------------
 
@@ -377,6 +419,9 @@ class Registry:
 
     @staticmethod
     def _tkey(tenant_id: str) -> str:
+        if not isinstance(tenant_id, str) or not TENANT_ID_RE.fullmatch(tenant_id):
+            raise TenantNotFound(f"no tenant {str(tenant_id)[:100]!r}: a tenant id is 1-63 chars of a-z, 0-9, "
+                                 "'_' or '-'")
         return f"{PREFIX}tenant:{tenant_id}"
 
 
@@ -386,8 +431,44 @@ async def fetch_interaction_owners(client, interaction_ids: list[str]) -> list[s
     return _owners(await client.mget([_owner_key(i) for i in interaction_ids]))
 
 
+@dataclass(frozen=True)
+class MultiChoiceResponse:
+    """A response id the gateway answered with n > 1 choices: each choice is an interaction of
+    its own, `{response_id}-{index}`, and feedback names one of them. `choices` is None when the
+    gateway recorded the choices' owners (`claim_interaction`) but not their number."""
+
+    response_id: str
+    tenant: str
+    choices: int | None
+
+    def describe_ids(self) -> str:
+        """The ids to send feedback on: `chatcmpl-1-0, chatcmpl-1-1, chatcmpl-1-2`, or, without the
+        count, `chatcmpl-1-0, chatcmpl-1-1, ...`."""
+        if self.choices is None:
+            return ", ".join(choice_ids(self.response_id, 2)) + ", ..."
+        return ", ".join(choice_ids(self.response_id, self.choices))
+
+
+async def fetch_multi_choice(client, response_ids: list[str]) -> list[MultiChoiceResponse | None]:
+    """For each id, the n > 1 response it is the bare id of, else None, on an asyncio Redis
+    client. Known by its first choice's owner (`{id}-0`, which the gateway claims) and the
+    count `claim_response` records."""
+    keys = [k for i in response_ids for k in (_owner_key(choice_ids(i, 2)[0]), _choices_key(i))]
+    raws = await client.mget(keys) if keys else []
+    found: list[MultiChoiceResponse | None] = []
+    for at, response_id in enumerate(response_ids):
+        owner, count = raws[2 * at], raws[2 * at + 1]
+        found.append(None if owner is None else
+                     MultiChoiceResponse(response_id, owner.decode(), int(count) if count is not None else None))
+    return found
+
+
 def _owner_key(interaction_id: str) -> str:
     return f"{PREFIX}iowner:{interaction_id}"
+
+
+def _choices_key(response_id: str) -> str:
+    return f"{PREFIX}ichoices:{response_id}"
 
 
 def _owners(raws: list[bytes | None]) -> list[str | None]:

@@ -11,14 +11,23 @@ Each door answers errors in its own shape (`ErrorShape`), one `HttpError` render
                          "code": "model_not_found"}}
 
 A door calls `install_error_handlers(app, shape)` once; then raising `HttpError` anywhere in a
-route answers it. `BodyLimit` refuses an oversized body before a route reads it; `read_body`
-does the same from inside a route (the gateway, which authenticates first and counts every
-answer).
+route answers it. `BodyLimit` refuses an oversized body before a route reads it, and, given
+`max_depth`, a body nested deeper than that (`too_deep`); `read_body` does the size check from
+inside a route (the gateway, which authenticates first and counts every answer).
+
+`MAX_JSON_DEPTH` is the one nesting bound for what a client sends, below every parser that reads
+it later: Python's `json` gives up at about 1000 levels less the caller's stack (RecursionError),
+orjson at 1024, Redis Lua's cjson at 1000, and pydantic-core's JSON parser, which reads events
+back off the topics (`model_validate_json`), at 200 — with an event's own envelope on top.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from array import array
 from collections.abc import Callable, Mapping
+from itertools import accumulate
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -98,16 +107,73 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a client may send, in a body or in a JSON string
+field such as a tool call's `arguments` (module docstring: the parsers downstream)."""
+
+_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_STRINGS = re.compile(_STRING.encode())
+_TOKENS = re.compile(rf'({_STRING})(\s*:)?|[\[\]{{}},]')
+_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")   # +1 / -1 as signed bytes
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def too_deep(text: str | bytes, max_depth: int = MAX_JSON_DEPTH) -> list[str | int] | None:
+    """Where `text` (JSON, or JSON-like) nests arrays and objects deeper than `max_depth`: the
+    path of the first value that does, as keys and indices (`too_deep('{"a": [[1]]}', 2)` is
+    `["a", 0]`), or None when it does not. Strings are skipped, so brackets inside them do not
+    count; text that is not JSON is measured by its brackets all the same, up to a closing bracket
+    with nothing open (where any parser stops). Never recursive; the depth is summed at C speed,
+    and only text that does nest too deep is walked token by token to name where."""
+    raw = text.encode() if isinstance(text, str) else text
+    steps = array("b", _STRINGS.sub(b"", raw).translate(_STEP, _NOT_BRACKETS))
+    if not steps or max(accumulate(steps)) <= max_depth:
+        return None
+    levels = list(accumulate(steps))   # the depth after each bracket
+    crossed = levels.index(max_depth + 1)
+    if crossed and min(levels[:crossed]) < 0:
+        return None
+    frames: list[list] = []   # per open container: [is_array, the key or index inside it]
+    for m in _TOKENS.finditer(raw.decode(errors="replace")):
+        token = m.group(0)
+        if m.group(1) is not None:
+            if m.group(2) and frames and not frames[-1][0]:
+                try:
+                    frames[-1][1] = json.loads(m.group(1))
+                except ValueError:
+                    frames[-1][1] = m.group(1)[1:-1]
+        elif token in "[{":
+            frames.append([token == "[", 0 if token == "[" else ""])
+            if len(frames) > max_depth:
+                return [f[1] for f in frames[:-1]]
+        elif token in "]}":
+            frames.pop()
+        elif frames and frames[-1][0]:   # a comma in an array
+            frames[-1][1] += 1
+    raise AssertionError("unreachable: the brackets' sums said the text nests too deep")
+
+
+def nested_too_deep(path: list[str | int], max_depth: int = MAX_JSON_DEPTH, *, within: str = "") -> HttpError:
+    """The 422 for a body (or the JSON string field `within`) nesting deeper than `max_depth`,
+    naming where."""
+    field = ".".join(str(p) for p in ([within] if within else []) + path) or within or "body"
+    return HttpError(422, "too_deeply_nested", f"{field}: nests arrays and objects deeper than {max_depth} levels",
+                     field)
+
+
 class BodyLimit:
     """ASGI middleware: a 413 in `shape` for a body over `max_bytes`, by Content-Length or by
     counting a chunked body as it arrives. It reads the body before the app runs (at most
     `max_bytes` of it, which the app would hold anyway) and hands it on: a limit hit while a
     route is reading would surface as that route's own parse error, not as a 413. Pure ASGI:
     Starlette's `BaseHTTPMiddleware` would run every request through an extra task and
-    response stream."""
+    response stream. With `max_depth`, a body nesting deeper answers 422 naming where
+    (`too_deep`), before any parser recurses into it."""
 
-    def __init__(self, app, max_bytes: int, shape: ErrorShape, on_error: OnError | None = None):
+    def __init__(self, app, max_bytes: int, shape: ErrorShape, on_error: OnError | None = None,
+                 max_depth: int | None = None):
         self.app, self.max_bytes, self.shape, self.on_error = app, max_bytes, shape, on_error
+        self.max_depth = max_depth
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -127,6 +193,11 @@ class BodyLimit:
                 return await self._answer(body_too_large(self.max_bytes), scope, receive, send)
             if not message.get("more_body", False):
                 break
+        if self.max_depth is not None:
+            body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+            path = too_deep(body, self.max_depth)
+            if path is not None:
+                return await self._answer(nested_too_deep(path, self.max_depth), scope, receive, send)
 
         async def replay():
             return messages.pop(0) if messages else await receive()

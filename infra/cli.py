@@ -55,6 +55,7 @@ def _registry():
     import redis
 
     from clora.registry import Registry
+    from clora.serving.settings import EngineSettings
 
     url = _urls()[1]
     client = redis.Redis.from_url(url)
@@ -64,7 +65,7 @@ def _registry():
         console.print(f"[red]error:[/] cannot reach Redis at {url} ({e}). Is `clora up` running, "
                       "or CLORA_REDIS_URL set?")
         raise typer.Exit(2) from e
-    return Registry(client)
+    return Registry(client, reserved_ids=[EngineSettings().base_name])  # no tenant shadows the base model
 
 
 @tenant_app.command("create")

@@ -14,6 +14,7 @@ recent examples), recent feedback, DLQ (view, replay one), metrics history.
 from __future__ import annotations
 
 import hmac
+from dataclasses import asdict
 import secrets
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,16 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clora.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
-from clora.web import ErrorShape, HttpError, bearer_token, first_error, install_error_handlers
+from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, bearer_token, first_error, install_error_handlers
 from clora.ingest.buffers import ReplayBuffer
-from clora.ingest.reports import DLQ_RECENT_MAX, consumer_lag, recent_dead_letters
+from clora.ingest.reports import DLQ_RECENT_MAX, EVENTS_MAX, consumer_lag, recent_dead_letters, recent_service_events
 from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent
 
 STATIC = Path(__file__).parent / "static"
 SHAPE: ErrorShape = "clora"
 """The control API's error shape: `{"error": {"code", "message", "field"}}` (`clora.web`)."""
+MAX_BODY_BYTES = 1_048_576
+"""The largest request body the control API reads (413 past it)."""
 
 
 class NewTenant(BaseModel):
@@ -69,6 +72,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     api = APIRouter(prefix="/api")
 
     install_error_handlers(app, SHAPE)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, shape=SHAPE, max_depth=MAX_JSON_DEPTH)
 
     def admin(request: Request) -> None:
         token = bearer_token(request.headers)
@@ -78,8 +82,8 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     def tenant_or_404(tenant_id: str):
         try:
             return registry.get_tenant(tenant_id)
-        except TenantNotFound:
-            raise HttpError(404, "tenant_not_found", f"no tenant {tenant_id!r}") from None
+        except TenantNotFound as e:   # an id no tenant can have says so
+            raise HttpError(404, "tenant_not_found", str(e), "tenant_id") from None
 
     def summary(t) -> dict[str, Any]:
         live = registry.live_version(t.id)
@@ -138,8 +142,8 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         try:
             return registry.update_policy(tenant_id, **changes).model_dump()
         except ValidationError as e:
-            field, message = first_error(e.errors(), default="")
-            raise HttpError(422, "invalid_policy", f"{field}: {message}", field) from e
+            field, message = first_error(e.errors(), default="body")
+            raise HttpError(422, "invalid_policy", f"{field[:200]}: {message}", field[:200]) from e
 
     @api.post("/tenants/{tenant_id}/pause", dependencies=[Depends(admin)])
     def pause(tenant_id: str):
@@ -253,6 +257,14 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         letters = recent_dead_letters(registry.r, max(1, min(n, DLQ_RECENT_MAX)))
         return {"dead_letters": [letter.model_dump(mode="json") for letter in letters]}
 
+    @api.get("/platform/events", dependencies=[Depends(admin)])
+    def platform_events(n: int = 50):
+        """What the supervisor did about the platform's services, newest first: a service that
+        exited or stopped answering and was restarted, a restart that failed, an ingest group
+        that stalled, and the embedded broker restarting empty (`data_lost`)."""
+        events = recent_service_events(registry.r, max(1, min(n, EVENTS_MAX)))
+        return {"events": [asdict(e) for e in events]}
+
     @api.post("/dlq/{event_id}/replay", dependencies=[Depends(admin)])
     def dlq_replay(event_id: str):
         for letter in recent_dead_letters(registry.r):
@@ -286,9 +298,12 @@ def build(kafka_bootstrap: str, redis_url: str, admin_token: str, ingest_group: 
 
     from clora.ingest.producer import EventProducer
 
+    from clora.serving.settings import EngineSettings
+
     client = redis.Redis.from_url(redis_url)
     producer = EventProducer(kafka_bootstrap, timeout_s=5.0)
-    return create_control_app(Registry(client), ReplayBuffer(client), admin_token, publish=producer.send_sync,
+    registry = Registry(client, reserved_ids=[EngineSettings().base_name])   # no tenant shadows the base model
+    return create_control_app(registry, ReplayBuffer(client), admin_token, publish=producer.send_sync,
                               ingest_group=ingest_group)
 
 

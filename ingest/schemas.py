@@ -17,12 +17,15 @@ docs/events.md (and tests check that those examples validate).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from clora.ids import Id, new_id, validate_tenant_id
+from clora.web import MAX_JSON_DEPTH, too_deep
 
 SCHEMA_VERSION = 1
 
@@ -84,6 +87,10 @@ MAX_MESSAGES = 1000
 """The most messages one interaction records (the gateway refuses a longer conversation)."""
 
 
+LOGPROB_FLOOR = -1e4
+"""The logprob recorded for a token sampled at probability 0 (-inf from the engine)."""
+
+
 class InteractionEvent(_Event):
     """One completion served by the gateway."""
 
@@ -114,6 +121,19 @@ class InteractionEvent(_Event):
 
     _tenant = field_validator("tenant")(validate_tenant_id)
 
+    @field_validator("completion_logprobs")
+    @classmethod
+    def _finite_logprobs(cls, lps: list[float] | None) -> list[float] | None:
+        """A token the engine sampled at probability 0 has logprob -inf, which JSON cannot carry
+        (it would arrive as null and the worker would refuse the event): it is recorded as
+        `LOGPROB_FLOOR`, a probability of 0 to any float32. NaN says nothing about the policy:
+        the logprobs are then dropped and the samples trained as if none were recorded."""
+        if lps is None or all(math.isfinite(x) for x in lps):
+            return lps
+        if any(math.isnan(x) or x == math.inf for x in lps):
+            return None
+        return [x if math.isfinite(x) else LOGPROB_FLOOR for x in lps]
+
     @model_validator(mode="after")
     def _aligned(self) -> "InteractionEvent":
         if self.response.role != "assistant":
@@ -127,12 +147,23 @@ class InteractionEvent(_Event):
 FeedbackSource = Literal["user", "operator", "environment", "judge"]
 
 
+def _field_error(model: str, loc: tuple[str | int, ...], code: str, message: str, value: Any) -> ValidationError:
+    """A validation error at `loc` inside the model being validated (pydantic prefixes the
+    outer path), so that the webhook's 422 names the exact field."""
+    return ValidationError.from_exception_data(model, [InitErrorDetails(
+        type=PydanticCustomError(code, message), loc=loc, input=value)])
+
+
 class FeedbackIn(_Model):
     """A feedback record as a client sends it to `POST /v1/feedback`.
 
     Field names follow LangSmith's feedback records (`key`, `score`, `comment`,
-    `correction`, `feedback_source`→`source`) so existing tooling maps onto it.
+    `correction`, `feedback_source`→`source`) so existing tooling maps onto it. Every number is
+    finite (NaN and ±Infinity are refused), and a correction's tool-call `arguments` nest at
+    most `MAX_JSON_DEPTH` levels.
     """
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     interaction_id: Id
     """The `id` of the chat completion this feedback is about."""
@@ -147,6 +178,7 @@ class FeedbackIn(_Model):
     key: str | None = Field(default=None, max_length=128)
     """What was judged: "correctness", "helpfulness", ..."""
     time: float | None = None
+    """When the feedback was given (unix seconds); default: when the webhook accepted it."""
 
     @model_validator(mode="after")
     def _useful(self) -> "FeedbackIn":
@@ -156,9 +188,14 @@ class FeedbackIn(_Model):
             raise ValueError("correction must be an assistant message")
         calls = (self.correction.tool_calls or []) if self.correction is not None else []
         for i, call in enumerate(calls):
+            at = ("correction", "tool_calls", i, "function")
             if not call.function.name:
-                raise ValueError(f"correction.tool_calls.{i}.function.name: a correction must name the function "
-                                 "it calls")
+                raise _field_error("FeedbackIn", (*at, "name"), "unnamed_function",
+                                   "a correction must name the function it calls", call.function.name)
+            if too_deep(call.function.arguments) is not None:
+                raise _field_error("FeedbackIn", (*at, "arguments"), "too_deeply_nested",
+                                   f"nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                                   call.function.arguments[:100])
         return self
 
 
@@ -167,7 +204,10 @@ class FeedbackBatchIn(_Model):
 
 
 class FeedbackEvent(_Event):
-    """A feedback record accepted by the webhook, as it travels on `clora.feedback`."""
+    """A feedback record accepted by the webhook, as it travels on `clora.feedback`. Its numbers
+    are finite, as `FeedbackIn`'s are."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     type: Literal["feedback"] = "feedback"
     event_id: Id
@@ -183,10 +223,12 @@ class FeedbackEvent(_Event):
     _tenant = field_validator("tenant")(validate_tenant_id)
 
     @classmethod
-    def accept(cls, tenant: str, record: FeedbackIn) -> "FeedbackEvent":
+    def accept(cls, tenant: str, record: FeedbackIn, event_id: str | None = None) -> "FeedbackEvent":
+        """The event for `record`; `event_id` names it when the client sent none (default: a
+        fresh id)."""
         return cls(
-            event_id=record.event_id or new_id("fb"), tenant=tenant,
-            interaction_id=record.interaction_id, time=record.time or now(),
+            event_id=record.event_id or event_id or new_id("fb"), tenant=tenant,
+            interaction_id=record.interaction_id, time=record.time if record.time is not None else now(),
             source=record.source, score=record.score, correction=record.correction,
             comment=record.comment, key=record.key,
         )

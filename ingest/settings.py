@@ -29,6 +29,23 @@ class WebhookSettings(BaseSettings):
     """How long a resolved API key is cached in-process. Revocation takes effect within this."""
     workers: int = Field(default=1, ge=1, le=64)
     """uvicorn worker processes."""
+    quota_events_per_s: int = Field(default=1000, ge=1)
+    """Feedback records one tenant may send per second, averaged over `quota_window_s`; more
+    answer 429 with Retry-After. Counted in Redis, so every webhook instance shares it."""
+    quota_bytes_per_s: int = Field(default=4 * 1_048_576, ge=1)
+    """Request-body bytes one tenant may send per second, averaged over `quota_window_s`."""
+    quota_window_s: int = Field(default=10, ge=1, le=3600)
+    """The window the quotas are averaged over: a tenant may burst up to rate x window at once."""
+
+    @model_validator(mode="after")
+    def _one_request_fits_the_quota(self) -> "WebhookSettings":
+        if self.quota_events_per_s * self.quota_window_s < self.max_batch:
+            raise ValueError("quota_events_per_s * quota_window_s must be at least max_batch, or a full batch "
+                             "could never be accepted")
+        if self.quota_bytes_per_s * self.quota_window_s < self.max_body_bytes:
+            raise ValueError("quota_bytes_per_s * quota_window_s must be at least max_body_bytes, or the largest "
+                             "body could never be accepted")
+        return self
 
 
 class IngestSettings(BaseSettings):
@@ -53,9 +70,21 @@ class IngestSettings(BaseSettings):
     """Event ids remembered per tenant for de-duplication (oldest forgotten first)."""
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     """Prometheus endpoint of the first worker (0: none)."""
+    request_timeout_ms: int = Field(default=15_000, ge=1000)
+    """Longest wait for any one broker request (group join, commit, metadata); kafka-python's own
+    default is 30 s. Must exceed `session_timeout_ms`."""
+    stall_timeout_s: float = Field(default=90.0, gt=0)
+    """The worker's watchdog: a consumer loop that makes no pass for this long (a call blocked past
+    every timeout) logs its stacks and exits with code 70, for its supervisor to restart it."""
+    crash_after_store_file: str | None = None
+    """Fault injection for tests only; unset in production. While this file exists, the worker
+    deletes it and exits (code 75) right after a batch is stored in Redis and before its offsets
+    are committed, so the batch is redelivered to whoever holds its partitions next."""
 
     @model_validator(mode="after")
     def _session_below_poll(self) -> "IngestSettings":
         if self.session_timeout_ms > self.max_poll_interval_ms * 10:
             raise ValueError("session_timeout_ms must not exceed 10x max_poll_interval_ms")
+        if self.request_timeout_ms <= self.session_timeout_ms:
+            raise ValueError("request_timeout_ms must exceed session_timeout_ms")
         return self

@@ -5,14 +5,20 @@
 Answers:
 - 202 only after the broker acknowledged the write (acks=all) — the event is stored;
 - 503 (with Retry-After) when the broker did not acknowledge in time — nothing promised;
-- 422 naming the invalid field; 413 past the body or batch limit;
+- 422 naming the invalid field (a non-finite number, a body or tool-call `arguments` nested
+  deeper than `clora.web.MAX_JSON_DEPTH`, the bare id of a response with n > 1 choices, whose
+  feedback names one choice, `{id}-{index}`); 413 past the body or batch limit;
 - 401 for a missing, unknown or revoked API key or a bad/stale HMAC signature;
-- 403 for feedback on an interaction that was served to another tenant.
+- 403 for feedback on an interaction that was served to another tenant;
+- 429 (with Retry-After) past the tenant's quota of records/s or bytes/s (`WebhookSettings.quota_*`,
+  counted in Redis under `clora:quota:` so that every webhook instance shares it).
 A client may retry any request with the same `event_id`s: ingest stores each once.
 
 Signing (optional, per tenant): when a tenant has a signing secret, requests must carry
 `X-Clora-Timestamp: <unix seconds>` and `X-Clora-Signature: sha256=<hex HMAC-SHA256 of
-"{timestamp}." + body>`, within the replay window.
+"{timestamp}." + body>`, within the replay window. A signed record without an `event_id` is
+named by the signature and its index (`clora.ids.derived_id`), so a replayed request stores
+nothing new either.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -30,8 +38,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from clora.registry import Registry, Tenant, TenantNotFound, fetch_interaction_owners, sign
-from clora.web import BodyLimit, ErrorShape, HttpError, api_key, install_error_handlers
+from clora.ids import derived_id
+from clora.registry import Registry, Tenant, TenantNotFound, fetch_interaction_owners, fetch_multi_choice, sign
+from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, api_key, install_error_handlers
 from clora.ingest.settings import WebhookSettings
 from clora.ingest import metrics
 from clora.ingest.producer import BrokerUnavailable, EventProducer
@@ -127,18 +136,52 @@ class OwnerLookup:
             self._running = False
 
 
-def create_app(settings: WebhookSettings, registry: Registry, producer: EventProducer,
-               async_redis=None) -> FastAPI:
-    """The webhook app. `async_redis` (a `redis.asyncio` client on the registry's Redis) keeps
-    the per-request interaction-owner lookup off the event loop's critical path; without it
-    the registry's blocking client is used."""
+QUOTA_PREFIX = "clora:quota"
+"""Where `limits` keeps the tenants' quota counters in Redis."""
 
-    lookup = OwnerLookup(async_redis) if async_redis is not None else None
 
-    async def owners_of(interaction_ids: list[str]) -> list[str | None]:
-        if lookup is None:
-            return registry.interaction_owners(interaction_ids)
-        return await lookup.owners(interaction_ids)
+class TenantQuota:
+    """Each tenant's feedback records/s and request-body bytes/s, averaged over a sliding window
+    (`WebhookSettings.quota_*`), counted in Redis by `limits`' sliding-window counter: every
+    webhook instance charges the same count, and each tenant has its own."""
+
+    def __init__(self, client, settings: WebhookSettings):
+        from limits import RateLimitItemPerSecond
+        from limits.aio.storage import RedisStorage
+        from limits.aio.strategies import SlidingWindowCounterRateLimiter
+
+        window = settings.quota_window_s
+        self.records = RateLimitItemPerSecond(settings.quota_events_per_s * window, window, namespace="records")
+        self.bytes = RateLimitItemPerSecond(settings.quota_bytes_per_s * window, window, namespace="bytes")
+        storage = RedisStorage("async+redis://", implementation="redispy", key_prefix=QUOTA_PREFIX,
+                               connection_pool=client.connection_pool)
+        self.limiter = SlidingWindowCounterRateLimiter(storage)
+
+    async def charge(self, tenant: str, records: int, nbytes: int) -> None:
+        """Count one request against the tenant's quotas, or raise the 429 saying when to retry."""
+        for item, cost in ((self.records, records), (self.bytes, nbytes)):
+            if not await self.limiter.hit(item, tenant, cost=cost):
+                stats = await self.limiter.get_window_stats(item, tenant)
+                retry = max(1, math.ceil(stats.reset_time - time.time()))
+                raise HttpError(429, "quota_exceeded", f"tenant {tenant!r} is over its quota of {item.amount} "
+                                f"{item.namespace} per {item.multiples} s; retry in {retry} s",
+                                headers={"Retry-After": str(retry)})
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the tenant, and the request's signature when the tenant signs."""
+
+    tenant: Tenant
+    signature: str | None
+
+
+def create_app(settings: WebhookSettings, registry: Registry, producer: EventProducer, async_redis) -> FastAPI:
+    """The webhook app. `async_redis` (a `redis.asyncio` client on the registry's Redis) serves
+    the per-request lookups (interaction owners, quotas) without blocking the event loop."""
+
+    lookup = OwnerLookup(async_redis)
+    quota = TenantQuota(async_redis, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -148,12 +191,13 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
     app = FastAPI(title="clora feedback webhook", version="1", lifespan=lifespan,
                   description="Feedback on served interactions: rewards, corrections, comments.")
     auth = Authenticator(registry, settings.auth_cache_s)
-    responses = {s: {"model": ErrorBody} for s in (401, 403, 413, 422, 503)}
+    responses = {s: {"model": ErrorBody} for s in (401, 403, 413, 422, 429, 503)}
 
     install_error_handlers(app, SHAPE, on_error=_count_error)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, shape=SHAPE, on_error=_count_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, shape=SHAPE, on_error=_count_error,
+                       max_depth=MAX_JSON_DEPTH)
 
-    async def tenant_of(request: Request) -> Tenant:
+    async def caller_of(request: Request) -> Caller:
         key = api_key(request.headers)
         if not key:
             raise HttpError(401, "missing_api_key", "send the tenant API key as 'Authorization: Bearer <key>'")
@@ -163,20 +207,41 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
             raise _registry_unavailable(e) from e
         if tenant is None:
             raise HttpError(401, "invalid_api_key", "unknown or revoked API key")
+        signature = None
         if tenant.signing_secret:
-            await _check_signature(request, tenant.signing_secret, settings.hmac_window_s)
-        return tenant
+            signature = await _check_signature(request, tenant.signing_secret, settings.hmac_window_s)
+        return Caller(tenant, signature)
 
-    async def _publish(tenant: Tenant, records: list[FeedbackIn]) -> JSONResponse:
+    async def _publish(caller: Caller, records: list[FeedbackIn], request: Request, batch: bool) -> JSONResponse:
+        tenant = caller.tenant
+
+        def field(i: int) -> str:
+            return f"records.{i}.interaction_id" if batch else "interaction_id"
+
         try:
-            owners = await owners_of([rec.interaction_id for rec in records])
+            owners = await lookup.owners([rec.interaction_id for rec in records])
+            unowned = [i for i, owner in enumerate(owners) if owner is None]
+            multi = await fetch_multi_choice(async_redis, [records[i].interaction_id for i in unowned])
         except RedisError as e:
             raise _registry_unavailable(e) from e
         for i, owner in enumerate(owners):
             if owner is not None and owner != tenant.id:
-                field = "interaction_id" if len(records) == 1 else f"records.{i}.interaction_id"
-                raise HttpError(403, "forbidden", "this interaction was not served to your tenant", field)
-        events = [FeedbackEvent.accept(tenant.id, rec) for rec in records]
+                raise HttpError(403, "forbidden", "this interaction was not served to your tenant", field(i))
+        for i, response in zip(unowned, multi):
+            if response is None:
+                continue
+            if response.tenant != tenant.id:
+                raise HttpError(403, "forbidden", "this interaction was not served to your tenant", field(i))
+            raise HttpError(422, "choice_required", f"{field(i)}: {response.response_id} is the id of a response with "
+                            f"several choices, and feedback is about one of them: send it on "
+                            f"{response.describe_ids()} (`{{id}}-{{index}}` of the choice)", field(i))
+        try:
+            await quota.charge(tenant.id, len(records), len(await request.body()))
+        except RedisError as e:
+            raise _registry_unavailable(e) from e
+        events = [FeedbackEvent.accept(tenant.id, rec, None if caller.signature is None
+                                       else derived_id("fb", caller.signature, str(i)))
+                  for i, rec in enumerate(records)]
         try:
             await producer.send_many_and_wait(TOPIC_FEEDBACK, [(e.tenant, e.model_dump_json()) for e in events])
         except BrokerUnavailable as e:
@@ -190,16 +255,16 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
 
     @app.post("/v1/feedback", status_code=202, response_model=Accepted, responses=responses,
               summary="Send one feedback record")
-    async def feedback(record: FeedbackIn, tenant: Tenant = Depends(tenant_of)):
-        return await _publish(tenant, [record])
+    async def feedback(record: FeedbackIn, request: Request, caller: Caller = Depends(caller_of)):
+        return await _publish(caller, [record], request, batch=False)
 
     @app.post("/v1/feedback/batch", status_code=202, response_model=Accepted, responses=responses,
               summary="Send up to `max_batch` feedback records in one request")
-    async def feedback_batch(batch: FeedbackBatchIn, tenant: Tenant = Depends(tenant_of)):
+    async def feedback_batch(batch: FeedbackBatchIn, request: Request, caller: Caller = Depends(caller_of)):
         if len(batch.records) > settings.max_batch:
             raise HttpError(413, "batch_too_large", f"{len(batch.records)} records exceed the limit of "
                             f"{settings.max_batch}", "records")
-        return await _publish(tenant, batch.records)
+        return await _publish(caller, batch.records, request, batch=True)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz():
@@ -212,20 +277,33 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
     return app
 
 
-async def _check_signature(request: Request, secret: str, window_s: int) -> None:
+_TIMESTAMP = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")
+"""Unix seconds, optionally with a fraction: finite, and ASCII digits only (`float` would also
+take "nan", "inf", "1e9" and other scripts' digits)."""
+_SIGNATURE = re.compile(r"sha256=[0-9a-f]{64}")
+
+
+async def _check_signature(request: Request, secret: str, window_s: int) -> str:
+    """The request's signature when it is well-formed, fresh and matches the body, else the 401
+    saying which header is wrong."""
     ts = request.headers.get("x-clora-timestamp", "")
     sig = request.headers.get("x-clora-signature", "")
     if not ts or not sig:
         raise HttpError(401, "signature_required", "this tenant requires X-Clora-Timestamp and X-Clora-Signature")
-    try:
-        age = abs(time.time() - float(ts))
-    except ValueError:
-        raise HttpError(401, "bad_signature", "X-Clora-Timestamp must be unix seconds", "X-Clora-Timestamp") from None
+    if not _TIMESTAMP.fullmatch(ts):
+        raise HttpError(401, "bad_signature", "X-Clora-Timestamp must be unix seconds (digits, optionally a "
+                        "fraction)", "X-Clora-Timestamp")
+    age = abs(time.time() - float(ts))
     if age > window_s:
-        raise HttpError(401, "stale_signature", f"timestamp is {age:.0f} s from now (window {window_s} s)")
+        raise HttpError(401, "stale_signature", f"timestamp is {age:.0f} s from now (window {window_s} s)",
+                        "X-Clora-Timestamp")
+    sig = sig.lower()
+    if not _SIGNATURE.fullmatch(sig):
+        raise HttpError(401, "bad_signature", "X-Clora-Signature must be sha256=<64 hex digits>", "X-Clora-Signature")
     expected = "sha256=" + sign(secret, ts, await request.body())
-    if not hmac.compare_digest(expected, sig):
-        raise HttpError(401, "bad_signature", "X-Clora-Signature does not match the body")
+    if not hmac.compare_digest(expected.encode(), sig.encode()):
+        raise HttpError(401, "bad_signature", "X-Clora-Signature does not match the body", "X-Clora-Signature")
+    return sig
 
 
 def build(settings: WebhookSettings, kafka_bootstrap: str, redis_url: str) -> FastAPI:

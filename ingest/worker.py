@@ -8,11 +8,18 @@ interactions, join feedback with its interaction (or park it until the interacti
 write examples — all in pipelined Lua scripts — and only then commit the offsets. A crash
 at any point redelivers the batch; the scripts' de-duplication makes that harmless, so every
 accepted event lands in the buffers exactly once.
+
+Liveness: every pass of the loop beats the worker's `Heartbeat` (the file `clora up` watches,
+killing and restarting a worker that stops beating), and the worker's own watchdog exits it
+when a pass takes longer than `stall_timeout_s`. Every broker call has a timeout
+(`request_timeout_ms`). The group's lag is measured from the broker by `clora up`
+(`reports.LagProbe`), not here: a hung worker could not report its own lag.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -20,21 +27,25 @@ from dataclasses import dataclass, field
 
 import redis
 from kafka import KafkaConsumer
-from kafka.errors import CommitFailedError
+from kafka.errors import CommitFailedError, KafkaError
 from pydantic import ValidationError
 from pydantic_core import to_json
 
+from clora.procs import Heartbeat
 from clora.registry import Registry, RegistryError
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
 from clora.ingest.buffers import BufferPolicy, ParkResult, PendingWrite, ReplayBuffer
 from clora.ingest.joiner import build_examples
 from clora.ingest.producer import EventProducer
-from clora.ingest.reports import record_dead_letters, record_lag
+from clora.ingest.reports import record_dead_letters
 from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
                                   DeadLetter, FeedbackEvent, InteractionEvent)
 
 log = logging.getLogger(__name__)
+
+FAULT_EXIT_CODE = 75
+"""Exit code of the injected crash between storing a batch and committing it (`crash_after_store_file`)."""
 
 
 @dataclass
@@ -71,10 +82,10 @@ class IngestWorker:
     """Consumes, joins and stores. `run(stop)` loops until `stop` is set."""
 
     def __init__(self, settings: IngestSettings, kafka_bootstrap: str, redis_url: str,
-                 *, client_id: str = "clora-ingest"):
+                 *, client_id: str = "clora-ingest", heartbeat: Heartbeat | None = None):
         self.settings = settings
         self.bootstrap = kafka_bootstrap
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=5)  # no call hangs
         self.buffers = ReplayBuffer(self.r, BufferPolicy(
             capacity=settings.buffer_capacity, eviction=settings.eviction,
             dedup_window=settings.dedup_window, interaction_ttl_s=settings.interaction_ttl_s))
@@ -84,6 +95,7 @@ class IngestWorker:
         self._dlq: EventProducer | None = None
         self._capacity_cache: dict[str, tuple[float, int]] = {}
         self.processed = 0
+        self.heartbeat = heartbeat or Heartbeat(None)
 
     # --- consumer loop --------------------------------------------------------------------
 
@@ -95,33 +107,41 @@ class IngestWorker:
             enable_auto_commit=False, auto_offset_reset="earliest",
             max_poll_records=s.max_poll_records, max_poll_interval_ms=s.max_poll_interval_ms,
             session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=max(500, s.session_timeout_ms // 3),
+            request_timeout_ms=s.request_timeout_ms,
         )
 
     def run(self, stop: threading.Event) -> None:
+        self.heartbeat.beat()
         consumer = self.consumer()
         log.info("ingest worker %s joined group %s", self.client_id, self.settings.group_id)
         last_gauges = 0.0
+        timeout_ms = self.settings.request_timeout_ms
         try:
             while not stop.is_set():
+                self.heartbeat.beat()
                 polled = consumer.poll(timeout_ms=500)
                 records = [rec for recs in polled.values() for rec in recs]
                 if records:
                     if not self._handle_until_stored(records, stop):
                         break                  # stopping mid-outage: nothing committed, redelivered later
+                    self._maybe_crash_before_commit()
                     try:
-                        consumer.commit()      # only after Redis has every example
+                        consumer.commit(timeout_ms=timeout_ms)      # only after Redis has every example
                     except CommitFailedError as e:
                         # we were out of the group (e.g. a long Redis outage): the records go to
                         # whoever holds the partition now, and de-duplication makes that harmless
                         log.warning("offset commit refused after a rebalance: %s", e)
+                    except KafkaError as e:
+                        # not committed in time: the batch is redelivered later, harmlessly
+                        log.warning("offset commit failed (%s); the batch will be redelivered", e)
                 if time.monotonic() - last_gauges > 2.0:
                     try:
                         self._update_gauges(consumer)
-                    except redis.RedisError as e:
+                    except (redis.RedisError, KafkaError) as e:
                         log.warning("metrics not updated: %s", e)
                     last_gauges = time.monotonic()
         finally:
-            consumer.close(autocommit=False)
+            consumer.close(autocommit=False, timeout_ms=timeout_ms)
             if self._dlq is not None:
                 self._dlq.close()
 
@@ -135,20 +155,28 @@ class IngestWorker:
                 self.handle(records)
                 return True
             except redis.RedisError as e:
+                self.heartbeat.beat()          # waiting on Redis is not a hang
                 log.warning("Redis unavailable (%s); retrying %d records in %.1f s", e, len(records), delay)
                 if stop.wait(delay):
                     return False
                 delay = min(delay * 2, 5.0)
 
+    def _maybe_crash_before_commit(self) -> None:
+        """The injected fault of `crash_after_store_file`: stored in Redis, not yet committed."""
+        path = self.settings.crash_after_store_file
+        if path and os.path.exists(path):
+            os.unlink(path)
+            log.error("fault injection: exiting after storing a batch, before committing it")
+            logging.shutdown()
+            os._exit(FAULT_EXIT_CODE)
+
     def _update_gauges(self, consumer: KafkaConsumer) -> None:
-        lags = {}
+        """This member's Prometheus gauges: its partitions' lag and the buffers' depths."""
         for tp in consumer.assignment():
             high = consumer.highwater(tp)
-            committed = consumer.committed(tp) or 0
+            committed = consumer.committed(tp, timeout_ms=self.settings.request_timeout_ms) or 0
             if high is not None:
-                lags[f"{tp.topic}:{tp.partition}"] = max(0, high - committed)
-                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(lags[f"{tp.topic}:{tp.partition}"])
-        record_lag(self.r, self.settings.group_id, lags)
+                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
         for tenant in self.buffers.tenants_with_data():
             for kind in EXAMPLE_KINDS:
                 metrics.BUFFER_DEPTH.labels(tenant, kind).set(self.buffers.depth(tenant, kind))
@@ -279,4 +307,6 @@ def main(settings: IngestSettings, kafka_bootstrap: str, redis_url: str, client_
             start_http_server(settings.metrics_port, addr="127.0.0.1")
         except OSError as e:
             log.warning("metrics port %s busy (%s); this worker exports no metrics", settings.metrics_port, e)
-    IngestWorker(settings, kafka_bootstrap, redis_url, client_id=client_id).run(stop)
+    heartbeat = Heartbeat.from_env()
+    heartbeat.start_watchdog(settings.stall_timeout_s)
+    IngestWorker(settings, kafka_bootstrap, redis_url, client_id=client_id, heartbeat=heartbeat).run(stop)

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from clora.ingest.schemas import AdapterEvent
+from clora.procs import Heartbeat
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
 from clora.learner.batches import ChatEncoder
@@ -213,9 +214,12 @@ class Learner:
     # --- running ------------------------------------------------------------------------------
 
     def run_forever(self, stop: threading.Event) -> None:
-        """Tick until `stop` is set; then checkpoint every tenant trained since its last checkpoint."""
+        """Tick until `stop` is set; then checkpoint every tenant trained since its last checkpoint.
+        Each pass beats the heartbeat `clora up` watches (`CLORA_HEARTBEAT_FILE`)."""
+        heartbeat = Heartbeat.from_env()
         try:
             while not stop.is_set():
+                heartbeat.beat()
                 if self.tick() is None:
                     stop.wait(self.s.idle_sleep_s)
         finally:

@@ -37,7 +37,7 @@ from clora.learner.peft_io import fsync_path, read_adapter, write_adapter
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "clora_metadata.json"
-_VERSION_DIR = re.compile(r"^v(\d+)$")
+_VERSION_DIR = re.compile(r"v([0-9]+)")
 
 
 class PublishError(RuntimeError):
@@ -77,7 +77,7 @@ class Publisher:
         d = self.tenant_dir(tenant)
         if not d.is_dir():
             return []
-        return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.match(p.name)))
+        return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.fullmatch(p.name)))
 
     def next_version(self, tenant: str) -> int:
         known = self.versions_on_disk(tenant) + [v.version for v in self.registry.adapter_versions(tenant)]

@@ -6,13 +6,15 @@ live LoRA adapter version.
 | `service`       | engine replicas + gateway as one unit that `clora up` or a test starts and stops |
 | `gateway`       | the FastAPI app: authentication, tenant -> adapter routing, quotas, streaming, logging |
 | `errors`        | the errors the gateway answers, in OpenAI's shape |
+| `request_fields`| the allow-list: request fields the gateway accepts and forwards, checked for type and range |
 | `completions`   | the upstream request sent to vLLM, the client's response, the recorded interaction events |
 | `aliases`       | `AdapterRef` (one immutable version) and the tenant -> live version table |
 | `hotswap`       | keeping each tenant's alias on the registry's live version (load, switch, drain, unload) |
 | `engine`        | the replicas behind the gateway: routing, on-demand loading, eviction, restarts |
 | `replica`       | one vLLM server process and the HTTP calls made to it |
 | `residency`     | registered vs resident adapters of one replica (LRU, pins) |
-| `quota`         | per-tenant concurrency and rate limits (429) |
+| `quota`         | per-tenant concurrency (requests, sequences) and rate limits (429) |
+| `record_quota`  | per-tenant byte quota on recorded messages and tools (429, in Redis) |
 | `interactions`  | sending interaction events to Kafka off the request path, spooling through outages |
 | `spool`         | the fsync'd local spool of records the broker did not take |
 | `traffic`       | per-tenant, per-minute traffic counters for the console |

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from clora.ids import choice_ids
 from clora.ingest.schemas import MAX_MESSAGES, InteractionEvent, Message
 from clora.serving.aliases import AdapterRef
 
@@ -35,12 +36,13 @@ CHOICE_EXTRAS = ("token_ids", "routed_experts")
 
 
 def upstream_body(body: dict[str, Any], kind: Kind, served_model: str, cache_salt: str | None = None) -> dict[str, Any]:
-    """The request vLLM gets: the client's, with the served name, token ids + logprobs on, and
+    """The request vLLM gets: the client's (its fields checked by `request_fields`), with the served name, token ids + logprobs on, and
     the caller's tenant's `cache_salt` (whatever the client sent): vLLM then reuses a cached
     prompt prefix only within one tenant, so no tenant can time its first token to learn what
     another recently sent to a model both share (the base model, or the zero adapter on CPU)."""
     up = dict(body, model=served_model, return_token_ids=True)
-    up.pop("cache_salt", None)
+    for name in ("cache_salt", "metadata"):  # the tenant's salt replaces the client's; metadata is clora's
+        up.pop(name, None)
     if cache_salt is not None:
         up["cache_salt"] = cache_salt
     if kind == "chat":
@@ -210,9 +212,12 @@ class Recorder:
 
     # --- events -------------------------------------------------------------------------
 
+    @property
+    def choices_asked(self) -> int:
+        return int(self.body.get("n") or 1)
+
     def interaction_ids(self) -> list[str]:
-        n = int(self.body.get("n") or 1)
-        return [self.interaction_id] if n == 1 else [f"{self.interaction_id}-{i}" for i in range(n)]
+        return choice_ids(self.interaction_id, self.choices_asked)
 
     def events(self) -> list[InteractionEvent]:
         latency_ms = (time.monotonic() - self.started) * 1000

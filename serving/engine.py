@@ -8,7 +8,13 @@ Owns
   used idle adapter when the replica's `max_cpu_loras` slots are full) and pins it for the
   duration of the request, so it can be neither evicted nor retired mid-request;
 - `preload(ref)` (hot swap: load a new version everywhere before the alias switches) and
-  `retire(ref)` (wait until no request pins the old version, then unload it everywhere).
+  `retire(ref)` (wait until no request pins the old version, then unload it everywhere);
+- the replicas' API key: generated here, given to each replica (`VLLM_API_KEY`, so that no
+  other local process can list, load or unload adapters) and sent on every call by `http`.
+
+One request's engine error (a 500, a dropped connection) is only *reported*
+(`report_error`): the monitor checks that replica's health at once and takes it out only if
+the check fails; one tenant's odd request must not cost every tenant the replica.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import shutil
 import tempfile
 import time
@@ -63,17 +70,22 @@ class EngineManager:
     def __init__(self, settings: EngineSettings, *, live_refs: Callable[[], list[AdapterRef]] = list,
                  adapter_wait_s: float = 30.0):
         self.settings = settings
-        self.replicas = [Replica(i, p, settings) for i, p in enumerate(settings.ports)]
+        self.api_key = secrets.token_urlsafe(32)
+        """Every replica requires it on `/v1/*` (vLLM's `VLLM_API_KEY`); only the gateway holds it."""
+        self.replicas = [Replica(i, p, settings, api_key=self.api_key) for i, p in enumerate(settings.ports)]
         self.live_refs = live_refs
         """Adapters to reload into a restarted replica (the alias table's live versions)."""
         self.adapter_wait_s = adapter_wait_s
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(120, connect=2),
+                                      headers={"authorization": f"Bearer {self.api_key}"},
                                       limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
                                                           keepalive_expiry=settings.keep_alive_s / 2))
         """Drops an idle connection well before the replica would (`EngineSettings.keep_alive_s`)."""
         self._changed = asyncio.Condition()
         self._monitor: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._suspects: set[int] = set()
+        """Replicas a request reported an error for: a failed health check takes them out."""
         self._stopping = False
         self.zero_ref: AdapterRef | None = None
         """Set when base-model requests go through the all-zero adapter (CPU build)."""
@@ -124,6 +136,13 @@ class EngineManager:
         if replica.healthy:
             log.warning("replica %d marked unhealthy: %s", replica.index, cause)
         replica.healthy = False
+        self._wake.set()
+
+    def report_error(self, replica: Replica, cause: BaseException | str) -> None:
+        """A request to `replica` failed (a dropped connection, a broken stream): have the
+        monitor check its health now. It keeps serving unless that check fails."""
+        log.warning("replica %d: a request failed (%s); checking its health", replica.index, cause)
+        self._suspects.add(replica.index)
         self._wake.set()
 
     # --- routing ------------------------------------------------------------------------
@@ -251,10 +270,15 @@ class EngineManager:
                 if r.index in restarting:
                     continue
                 alive = r.alive()
+                suspect = r.index in self._suspects
+                self._suspects.discard(r.index)
                 if alive and await r.check_health(self.http):
                     last_ok[r.index] = time.monotonic()
                     r.healthy = True  # also refutes a failure a request reported
                     continue
+                if suspect and r.healthy:  # a request's error, confirmed by the health check
+                    log.warning("replica %d failed its health check after a request's error: taken out", r.index)
+                    r.healthy = False
                 hung = alive and time.monotonic() - last_ok[r.index] > self.settings.hang_timeout_s
                 if not alive or hung:
                     r.healthy = False

@@ -33,18 +33,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from clora.registry import ApiKeyPrincipal, Registry, RegistryError
-from clora.ids import Id, parse_served_name, served_name
-from clora.web import HttpError, bearer_token, install_error_handlers, read_body
+from clora.ids import SERVED_NAME_RE, Id, parse_served_name, served_name
+from clora.web import HttpError, bearer_token, install_error_handlers, read_body, too_deep
 from clora.ingest.schemas import Message
 from clora.serving import errors
 from clora.serving.aliases import AdapterRef
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
-from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
+from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable, Lease
 from clora.serving.hotswap import HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import UNAUTHENTICATED, GatewayMetrics
 from clora.serving.quota import TenantQuota
-from clora.serving.settings import GatewaySettings
+from clora.serving.record_quota import RecordQuota
+from clora.serving.request_fields import Bounds, Refused, check_fields
+from clora.serving.settings import GatewaySettings, tenant_limits
 from clora.serving.traffic import CLIENT_LEFT
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,37 @@ _METADATA_ID = TypeAdapter(Id)
 UPSTREAM_BROKEN = (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 
 
+@dataclass(frozen=True)
+class TenantHolds:
+    """What one tenant's requests in flight hold right now; all zero once every one has ended
+    (`Gateway.wait_released`)."""
+
+    quota_slots: int
+    sequences: int
+    version_holds: int
+    """Requests in flight to versions other than the live one (`Gateway._hold_version`)."""
+    pins: int
+    """Adapter pins on the replicas (one per request to one of the tenant's versions)."""
+
+    def empty(self) -> bool:
+        return not (self.quota_slots or self.sequences or self.version_holds or self.pins)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed the door: its recorded messages and how many bytes it records."""
+
+    messages: list[Message]
+    recorded_bytes: int
+    """`messages` and `tools` as JSON (the `RecordQuota` charge)."""
+    sequences: int
+    """`n`: the engine sequences it holds while in flight."""
+
+
+class Unrecorded(RuntimeError):
+    """A served completion whose interaction event did not become durable."""
+
+
 @dataclass
 class Gateway:
     settings: GatewaySettings
@@ -63,12 +96,28 @@ class Gateway:
     engine: EngineManager
     swapper: HotSwapper
     logger: InteractionLogger
-    quota: TenantQuota
+    quota: TenantQuota | None = None
+    """Built from `tenant_limits` when not given."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    record_quota: RecordQuota | None = None
+    """Per-tenant recorded bytes; in memory (one process) when not given."""
     _held_versions: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter), init=False)
     """tenant -> version -> requests in flight to that version, for versions other than the live one."""
     salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     """Keys each tenant's prefix-cache salt (`cache_salt`); never leaves the gateway."""
+    _released: asyncio.Condition = field(default_factory=asyncio.Condition, init=False)
+    """Notified each time a request has released everything it held."""
+
+    def __post_init__(self) -> None:
+        self.limits = tenant_limits(self.engine.settings, self.settings)
+        if self.quota is None:
+            self.quota = TenantQuota(self.limits.requests, self.settings.tenant_rate_per_s, self.settings.tenant_burst,
+                                     sequences=self.limits.sequences)
+        if self.record_quota is None:
+            self.record_quota = RecordQuota("memory://", self.settings.tenant_recorded_bytes_per_s,
+                                            self.settings.tenant_recorded_burst_s)
+        self.bounds = Bounds(max_tokens=self.limits.max_tokens, n=self.limits.n,
+                             max_depth=self.settings.max_json_depth)
 
     def cache_salt(self, tenant: str) -> str:
         return hmac.new(self.salt_key, tenant.encode(), hashlib.sha256).hexdigest()
@@ -88,38 +137,49 @@ class Gateway:
         raw = await read_body(request, self.settings.max_body_bytes)
         try:
             body = json.loads(raw)
+        except RecursionError as e:  # nests deeper than the parser goes: name the field if we can
+            path = too_deep(raw, self.settings.max_json_depth + 1)  # + 1: the body object itself
+            name = str(path[0]) if path else None
+            raise errors.bad_request(f"{name or 'the request body'} nests deeper than "
+                                     f"{self.settings.max_json_depth} levels", name) from e
         except ValueError as e:
             raise errors.bad_request(f"request body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise errors.bad_request("request body must be a JSON object")
         return body
 
-    def validate(self, body: dict[str, Any], kind: Kind) -> list[Message]:
+    def validate(self, body: dict[str, Any], kind: Kind) -> Admitted:
         """Refuse a request the gateway would not serve or could not record (400 naming the
-        field); returns its messages as its interaction event will record them."""
+        field): a field not on the allow-list (`request_fields`), a value out of type or range,
+        a record (messages, tools) too deep or too large."""
         if not isinstance(body.get("model"), str) or not body["model"]:
             raise errors.bad_request("you must provide a model parameter", "model")
-        if kind == "chat" and (not isinstance(body.get("messages"), list) or not body["messages"]):
+        if kind == "chat" and body.get("messages") is None:
             raise errors.bad_request("messages must be a non-empty array", "messages")
-        if kind == "completion" and body.get("prompt") in (None, "", []):
+        if kind == "completion" and body.get("prompt") is None:
             raise errors.bad_request("prompt must be given", "prompt")
+        try:
+            check_fields(body, kind, self.bounds)
+        except Refused as e:
+            raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
+        recorded = 0
+        for name in ("messages", "tools"):
+            if body.get(name) is not None:
+                size = len(json.dumps(body[name]))
+                if size > self.settings.max_recorded_bytes:
+                    raise errors.bad_request(f"{name}: {size} bytes as JSON; at most {self.settings.max_recorded_bytes} "
+                                             "are recorded", name)
+                recorded += size
         try:
             messages = recorded_messages(body, kind)
         except Unrecordable as e:
             raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
-        for param in ("max_tokens", "max_completion_tokens"):
-            value = body.get(param)
-            if value is not None and (not isinstance(value, int) or not 1 <= value <= self.settings.max_tokens_limit):
-                raise errors.bad_request(f"{param} must be an integer in [1, {self.settings.max_tokens_limit}], "
-                                         f"got {value!r}", param)
-        n = body.get("n", 1)
-        if n is not None and (not isinstance(n, int) or not 1 <= n <= self.settings.max_n):
-            raise errors.bad_request(f"n must be an integer in [1, {self.settings.max_n}], got {n!r}", "n")
-        metadata = body.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise errors.bad_request("metadata must be an object", "metadata")
+        if kind == "completion":
+            recorded += len(body["prompt"])
+        n = body.get("n") or 1
+        metadata = body.get("metadata") or {}
         for name in ("group_id", "episode_id"):
-            value = (metadata or {}).get(name)
+            value = metadata.get(name)
             if value is None:
                 continue
             try:
@@ -127,10 +187,10 @@ class Gateway:
             except ValidationError as e:
                 raise errors.bad_request(f"metadata.{name}: {e.errors()[0]['msg']}, got {value!r}",
                                          f"metadata.{name}") from e
-            if name == "episode_id" and (n or 1) > 1:
+            if name == "episode_id" and n > 1:
                 raise errors.bad_request(f"metadata.episode_id: a request with n = {n} starts {n} episodes; it "
                                          "cannot continue one", "metadata.episode_id")
-        return messages
+        return Admitted(messages, recorded, n)
 
     async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
         """The adapter `model` names for this caller (None: the base model)."""
@@ -148,6 +208,47 @@ class Gateway:
             raise errors.model_not_found(model) from e
         return AdapterRef(tenant, av.version, av.path)
 
+    # --- what a request holds -----------------------------------------------------------
+
+    def holds(self, tenant: str) -> TenantHolds:
+        pins = sum(r.resident.pins(name) for r in self.engine.replicas for name in r.resident.names()
+                   if SERVED_NAME_RE.fullmatch(name) and parse_served_name(name)[0] == tenant)
+        return TenantHolds(quota_slots=self.quota.in_flight(tenant), sequences=self.quota.sequences_in_flight(tenant),
+                           version_holds=sum(self._held_versions.get(tenant, {}).values()), pins=pins)
+
+    async def wait_released(self, tenant: str, timeout_s: float = 30.0) -> TenantHolds:
+        """Wait until every request of `tenant` has released what it held (a client sees the end
+        of its stream slightly before the gateway releases it); returns the holds then."""
+        async with self._released:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._released.wait_for(lambda: self.holds(tenant).empty()), timeout_s)
+        return self.holds(tenant)
+
+    async def _notify_released(self) -> None:
+        async with self._released:
+            self._released.notify_all()
+
+    async def _hold(self, stack: contextlib.AsyncExitStack, tenant: str, ref: AdapterRef | None,
+                    sequences: int) -> Lease:
+        """Take everything a request holds, each with its release on `stack`: the quota slot,
+        the hold on an old version, the engine lease (and adapter pin), the in-flight gauge.
+        Whoever closes `stack` releases them all, on every path."""
+        stack.push_async_callback(self._notify_released)  # runs last: after every release below
+        self.quota.acquire(tenant, sequences)
+        stack.callback(self.quota.release, tenant, sequences)
+        if ref is not None and ref != await self.swapper.live_ref(tenant):
+            self._hold_version(ref, stack)
+        try:
+            lease = await stack.enter_async_context(self.engine.lease(ref))
+        except EngineUnavailable as e:
+            raise errors.unavailable(str(e)) from e
+        except AdapterLoadError as e:
+            raise errors.unavailable(f"adapter {ref.name if ref else '?'} could not be loaded: {e}") from e
+        in_flight = self.metrics.in_flight.labels(tenant)
+        in_flight.inc()
+        stack.callback(in_flight.dec)
+        return lease
+
     # --- completions --------------------------------------------------------------------
 
     async def complete(self, request: Request, kind: Kind, path: str) -> Response:
@@ -162,42 +263,32 @@ class Gateway:
         except Exception:
             self.metrics.answered(tenant, kind, 500, time.monotonic() - started)
             raise
-        if not isinstance(response, StreamingResponse):  # a stream counts when it ends
+        if not isinstance(response, OwnedStream):  # a stream counts when it ends
             self.metrics.answered(tenant, kind, response.status_code, time.monotonic() - started)
         return response
 
     async def _complete(self, principal: ApiKeyPrincipal, request: Request, kind: Kind, path: str,
                         started: float) -> Response:
         body = await self.read_json(request)
-        messages = self.validate(body, kind)
+        admitted = self.validate(body, kind)
         ref = await self.resolve(principal, body["model"])
-        self.quota.acquire(principal.tenant)
+        await self.record_quota.charge(principal.tenant, admitted.recorded_bytes)
         stack = contextlib.AsyncExitStack()
-        stack.callback(self.quota.release, principal.tenant)
         try:
-            if ref is not None and ref != await self.swapper.live_ref(principal.tenant):
-                self._hold_version(ref, stack)
-            try:
-                lease = await stack.enter_async_context(self.engine.lease(ref))
-            except EngineUnavailable as e:
-                raise errors.unavailable(str(e)) from e
-            except AdapterLoadError as e:
-                raise errors.unavailable(f"adapter {ref.name if ref else '?'} could not be loaded: {e}") from e
-            in_flight = self.metrics.in_flight.labels(principal.tenant)
-            in_flight.inc()
-            stack.callback(in_flight.dec)
+            lease = await self._hold(stack, principal.tenant, ref, admitted.sequences)
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
-                           client_model=ref.name if ref else self.engine.settings.base_name, messages=messages)
-            for iid in rec.interaction_ids():
-                await asyncio.to_thread(self.registry.claim_interaction, iid, principal.tenant)
+                           client_model=ref.name if ref else self.engine.settings.base_name,
+                           messages=admitted.messages)
+            await asyncio.to_thread(self.registry.claim_response, rid, principal.tenant, rec.choices_asked)
             up = upstream_body(body, kind, lease.model, self.cache_salt(principal.tenant))
             url = lease.replica.url + path
-            if body.get("stream"):
-                response = await self._stream(url, up, rec, lease, stack, started)
-                stack = None  # the stream owns the lease and the quota slot now
-                return response
-            return await self._whole(url, up, rec, lease)
+            if not body.get("stream"):
+                return await self._whole(url, up, rec, lease)
+            response = await self._stream(url, up, rec, lease, stack, started)
+            if isinstance(response, OwnedStream):
+                stack = None  # the response owns it now and closes it when it ends, however it ends
+            return response
         finally:
             if stack is not None:
                 await stack.aclose()
@@ -223,44 +314,76 @@ class Gateway:
         if not held:
             del self._held_versions[ref.tenant]
 
-    def _record(self, rec: Recorder) -> None:
-        """Log the interaction events of a finished completion; count its tokens."""
-        events = rec.events()
-        for ev in events:
-            self.logger.submit(ev)
+    async def _record(self, rec: Recorder) -> None:
+        """Log the interaction events of a finished completion and, with `durable_interactions`,
+        wait until each is durable; count its tokens. Raises `Unrecorded` when an event cannot
+        be built, submitted or made durable in `record_timeout_s`."""
+        try:
+            events = rec.events()
+            pending = [self.logger.submit(ev) for ev in events]
+        except Exception as e:  # noqa: BLE001 - whatever broke, the answer must not claim it was recorded
+            log.exception("interaction %s (tenant %s) could not be recorded", rec.interaction_id, rec.tenant)
+            self.metrics.served(rec.tenant, 0, 0, recorded=False)
+            raise Unrecorded(f"interaction {rec.interaction_id} could not be recorded: {e!r}") from e
         generated = sum(len(c.token_ids) for c in rec.choices.values())
         self.metrics.served(rec.tenant, len(rec.prompt_token_ids or ()), generated,
                             recorded=bool(events) or not rec.choices)
+        if not self.settings.durable_interactions or not pending:
+            return
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in pending)),
+                                   self.settings.record_timeout_s)
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            raise Unrecorded(f"interaction {rec.interaction_id} was not durable within "
+                             f"{self.settings.record_timeout_s} s: {e!r}") from e
 
-    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease) -> Response:
+    def _unrecorded(self, e: Unrecorded) -> HttpError:
+        return HttpError(503, "interaction_not_recorded", f"{e}; the answer is withheld: retry", type="server_error",
+                         headers={"retry-after": "1"})
+
+    def _upstream_broken(self, lease: Lease, e: Exception, when: str) -> HttpError:
+        self.engine.report_error(lease.replica, e)
+        return errors.unavailable(f"engine replica {lease.replica.index} failed {when}: {e!r}")
+
+    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease) -> Response:
         try:
             r = await self.engine.http.post(url, json=up, timeout=self.settings.upstream_timeout_s)
         except UPSTREAM_BROKEN as e:
-            self.engine.mark_failed(lease.replica, e)
-            raise errors.unavailable(f"engine replica {lease.replica.index} failed mid-request: {e}") from e
+            raise self._upstream_broken(lease, e, "mid-request") from e
         except httpx.TimeoutException as e:
             raise errors.timeout(self.settings.upstream_timeout_s) from e
         if r.status_code != 200:
             return _upstream_error(r.status_code, r.content)
-        out = rec.finish(r.json())
-        self._record(rec)
+        try:
+            out = rec.finish(r.json())
+        except (ValueError, KeyError, TypeError) as e:
+            raise HttpError(502, "bad_engine_response", f"engine replica {lease.replica.index} answered something "
+                            f"that is not a completion: {e!r}", type="server_error") from e
+        try:
+            await self._record(rec)
+        except Unrecorded as e:
+            raise self._unrecorded(e) from e
         return JSONResponse(out)
 
-    async def _stream(self, url: str, up: dict[str, Any], rec: Recorder, lease,
+    async def _stream(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease,
                       stack: contextlib.AsyncExitStack, started: float) -> Response:
         try:
             upstream = await stack.enter_async_context(
                 self.engine.http.stream("POST", url, json=up, timeout=self.settings.upstream_timeout_s))
         except UPSTREAM_BROKEN as e:
-            self.engine.mark_failed(lease.replica, e)
-            raise errors.unavailable(f"engine replica {lease.replica.index} failed: {e}") from e
+            raise self._upstream_broken(lease, e, "before its stream began") from e
+        except httpx.TimeoutException as e:
+            raise errors.timeout(self.settings.upstream_timeout_s) from e
         if upstream.status_code != 200:
-            content = await upstream.aread()
-            await stack.aclose()
-            return _upstream_error(upstream.status_code, content)
+            return _upstream_error(upstream.status_code, await upstream.aread())
+        end = StreamEnd()
+
+        def error_event(err: HttpError) -> bytes:
+            end.status = err.status
+            return f"data: {json.dumps(err.body(errors.SHAPE))}\n\n".encode()
 
         async def relay() -> AsyncIterator[bytes]:
-            complete, status, first, failed = False, CLIENT_LEFT, True, None
+            failed, first = None, True
             try:
                 async for line in upstream.aiter_lines():
                     if not line.startswith("data: "):
@@ -270,7 +393,13 @@ class Gateway:
                         first = False
                     data = line[6:]
                     if data.strip() == "[DONE]":
-                        complete, status = True, 200 if failed is None else failed
+                        if failed is None:
+                            try:  # durable before the client sees the end
+                                await self._record(rec)
+                            except Unrecorded as e:
+                                yield error_event(self._unrecorded(e))
+                                return
+                        end.status = 200 if failed is None else failed
                         yield b"data: [DONE]\n\n"
                         continue
                     obj = json.loads(data)
@@ -280,21 +409,15 @@ class Gateway:
                         continue
                     yield f"data: {json.dumps(rec.chunk(obj))}\n\n".encode()
             except UPSTREAM_BROKEN as e:
-                self.engine.mark_failed(lease.replica, e)
-                err = errors.unavailable(f"engine replica {lease.replica.index} failed mid-stream: {e}")
-                status = err.status
-                yield f"data: {json.dumps(err.body(errors.SHAPE))}\n\n".encode()
+                yield error_event(self._upstream_broken(lease, e, "mid-stream"))
             except httpx.TimeoutException:
-                err = errors.timeout(self.settings.upstream_timeout_s)
-                status = err.status
-                yield f"data: {json.dumps(err.body(errors.SHAPE))}\n\n".encode()
-            finally:
-                if complete and failed is None:
-                    self._record(rec)
-                self.metrics.answered(rec.tenant, rec.kind, status, time.monotonic() - started, stream=True)
-                await stack.aclose()
+                yield error_event(errors.timeout(self.settings.upstream_timeout_s))
 
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        def ended() -> None:
+            self.metrics.answered(rec.tenant, rec.kind, end.status, time.monotonic() - started, stream=True)
+
+        stack.callback(ended)
+        return OwnedStream(relay(), stack)
 
     # --- models -------------------------------------------------------------------------
 
@@ -311,6 +434,31 @@ class Gateway:
             out.append({"id": name, "object": "model", "created": int(v.created_at),
                         "owned_by": principal.tenant, "root": name, "parent": base})
         return out
+
+
+@dataclass
+class StreamEnd:
+    """How a stream ended, for its metrics: 200, an error status, or `CLIENT_LEFT`."""
+
+    status: int = CLIENT_LEFT
+
+
+class OwnedStream(StreamingResponse):
+    """A streamed answer that owns what its request holds (`stack`: quota slot, lease, pins,
+    version hold, the upstream stream) and releases it when the response ends, whichever way:
+    finished, failed mid-stream, the client gone (even before the first chunk)."""
+
+    def __init__(self, body: AsyncIterator[bytes], stack: contextlib.AsyncExitStack):
+        super().__init__(body, media_type="text/event-stream")
+        self._stack = stack
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            await self._stack.aclose()
 
 
 def _error_status(error: Any) -> int:

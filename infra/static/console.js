@@ -92,6 +92,7 @@ function view() { return document.getElementById("view"); }
 async function renderOverview(first) {
   const data = await api("/tenants");
   const dlq = await api("/dlq?n=20");
+  const platform = await api("/platform/events?n=20");
   const rows = data.tenants.map(t => el("tr", { "data-tenant": t.id },
     el("td", {}, el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), el("div", { class: "muted" }, t.name)),
     el("td", {}, el("span", { class: "pill " + (t.paused ? "paused" : "learning") }, t.paused ? "paused" : "learning"),
@@ -113,6 +114,12 @@ async function renderOverview(first) {
     el("tbody", {}, dlq.dead_letters.map(d => el("tr", {},
       el("td", {}, fmtTime(d.time)), el("td", {}, d.source_topic), el("td", { class: "mono" }, d.reason),
       el("td", {}, el("button", { onclick: () => act(() => api(`/dlq/${encodeURIComponent(d.event_id)}/replay`, { method: "POST" })) }, "replay"))))));
+  const eventsTable = el("table", { id: "platform-events" },
+    el("thead", {}, el("tr", {}, ["time", "service", "what happened", ""].map(h => el("th", {}, h)))),
+    el("tbody", {}, platform.events.map(e => el("tr", { class: e.kind === "data_lost" || e.kind === "restart_failed" ? "alert" : "" },
+      el("td", {}, fmtTime(e.time)), el("td", {}, e.service),
+      el("td", {}, el("span", { class: "pill " + (e.kind === "restarted" ? "learning" : "failing") }, e.kind)),
+      el("td", { class: "mono" }, e.detail)))));
   if (first) {
     const form = el("form", { id: "create-tenant", class: "inline", onsubmit: createTenant },
       el("label", {}, "tenant id", el("input", { name: "id", required: true, pattern: "[a-z0-9][a-z0-9_-]*" })),
@@ -121,10 +128,12 @@ async function renderOverview(first) {
     view().replaceChildren(
       el("section", { class: "card" }, el("h2", {}, "Tenants"), el("div", { id: "tenants-slot" })),
       el("section", { class: "card" }, el("h2", {}, "New tenant"), form, el("div", { id: "new-key" })),
-      el("section", { class: "card" }, el("h2", {}, "Dead letters"), el("div", { id: "dlq-slot" })));
+      el("section", { class: "card" }, el("h2", {}, "Dead letters"), el("div", { id: "dlq-slot" })),
+      el("section", { class: "card" }, el("h2", {}, "Platform events"), el("div", { id: "events-slot" })));
   }
   document.getElementById("tenants-slot").replaceChildren(table);
   document.getElementById("dlq-slot").replaceChildren(dlqTable);
+  document.getElementById("events-slot").replaceChildren(eventsTable);
 }
 
 async function createTenant(ev) {

@@ -67,3 +67,81 @@ def test_init_adapter_is_checked_and_stored_absolute(registry, tenant_id, tmp_pa
         with pytest.raises(TenantNotFound):   # nothing half-written
             registry.get_tenant(tenant_id + "-b")
     assert tenant_id + "-b" not in [t.id for t in registry.list_tenants()]
+
+
+def test_reserved_names_are_refused_as_tenant_ids(registry, redis_client, tenant_id):
+    """A tenant called `base` would have its model name serve the frozen base model."""
+    from clora.registry import Registry
+
+    with pytest.raises(InvalidTenantField, match="'base' is reserved") as e:
+        registry.create_tenant("base")
+    assert e.value.field == "id"
+    platform = Registry(redis_client, reserved_ids=[tenant_id])   # a platform serving its base model by that name
+    with pytest.raises(InvalidTenantField, match="reserved"):
+        platform.create_tenant(tenant_id)
+    for name in ("base", tenant_id):
+        with pytest.raises(TenantNotFound):   # nothing half-written
+            registry.get_tenant(name)
+
+
+def test_an_id_that_reaches_another_key_layout_names_no_tenant(registry, tenant_id):
+    """`acme:keys` would read the hash of acme's keys as a tenant (WRONGTYPE): never a key."""
+    registry.create_tenant(tenant_id)
+    for bad in [f"{tenant_id}:keys", f"{tenant_id}:versions", f"{tenant_id}\n", "a\x00b", "*", ""]:
+        with pytest.raises(TenantNotFound, match="a tenant id is"):
+            registry.get_tenant(bad)
+        with pytest.raises(TenantNotFound):
+            registry.list_keys(bad)
+
+
+def test_a_policy_change_named_like_an_argument_is_refused_as_a_field(registry, tenant_id):
+    registry.create_tenant(tenant_id)
+    for name in ("tenant_id", "self"):
+        with pytest.raises(ValueError, match=name):
+            registry.update_policy(tenant_id, **{name: 1})
+
+
+@pytest.mark.parametrize("path, says", [("/tmp/a\x00b", "NUL"), ("/tmp/" + "a" * 5000, "cannot be read")])
+def test_an_unreadable_init_adapter_path_is_an_invalid_field(registry, tenant_id, path, says):
+    with pytest.raises(InvalidTenantField, match=says) as e:
+        registry.create_tenant(tenant_id, init_adapter=path)
+    assert e.value.field == "init_adapter"
+
+
+def test_a_tenant_with_an_id_from_before_ids_were_matched_whole_is_left_out_of_the_list(registry, redis_client,
+                                                                                        tenant_id):
+    registry.create_tenant(tenant_id)
+    legacy = tenant_id + "-old\n"
+    redis_client.sadd("clora:tenants", legacy)
+    try:
+        assert tenant_id in [t.id for t in registry.list_tenants()]
+    finally:
+        redis_client.srem("clora:tenants", legacy)
+
+
+def test_claim_response_records_each_choice_and_how_many_there_were(registry, redis_client, tenant_id):
+    import asyncio
+
+    import redis.asyncio
+
+    from clora.registry import MultiChoiceResponse, fetch_multi_choice
+
+    one = registry.claim_response(f"{tenant_id}-one", tenant_id, 1)
+    three = registry.claim_response(f"{tenant_id}-three", tenant_id, 3)
+    assert one == [f"{tenant_id}-one"] and three == [f"{tenant_id}-three-{i}" for i in range(3)]
+    assert registry.interaction_owners(one + three) == [tenant_id] * 4
+    registry.claim_interaction(f"{tenant_id}-old-0", tenant_id)   # a gateway that records the choices only
+
+    async def lookup(ids):
+        client = redis.asyncio.Redis(connection_pool=redis.asyncio.ConnectionPool(
+            **redis_client.connection_pool.connection_kwargs))
+        try:
+            return await fetch_multi_choice(client, ids)
+        finally:
+            await client.aclose()
+
+    found = asyncio.run(lookup([f"{tenant_id}-one", f"{tenant_id}-three", f"{tenant_id}-old", "unknown"]))
+    assert found == [None, MultiChoiceResponse(f"{tenant_id}-three", tenant_id, 3),
+                     MultiChoiceResponse(f"{tenant_id}-old", tenant_id, None), None]
+    assert found[1].describe_ids() == ", ".join(three)
+    assert found[2].describe_ids() == f"{tenant_id}-old-0, {tenant_id}-old-1, ..."

@@ -1,5 +1,6 @@
 """The shared HTTP front door (`clora.web`): credentials read from headers, body limits by
-declared length and by streamed bytes, the 422 naming the field, and each door's error shape."""
+declared length, by streamed bytes and by nesting depth, the 422 naming the field, and each
+door's error shape."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 
-from clora.web import (BodyLimit, HttpError, api_key, bearer_token, first_error, install_error_handlers,
-                       read_body)
+from clora.web import (MAX_JSON_DEPTH, BodyLimit, HttpError, api_key, bearer_token, first_error,
+                       install_error_handlers, read_body, too_deep)
 
 
 def test_an_error_renders_in_each_shape():
@@ -143,3 +144,35 @@ def test_read_body_returns_the_body_within_the_limit_and_refuses_past_it():
     assert "content-length" not in streamed.request.headers
     assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
     assert streamed.json()["error"]["message"] == "request body exceeds the limit of 10 bytes"
+
+
+@pytest.mark.parametrize("text, limit, where", [
+    ('{"a": [[1]]}', 2, ["a", 0]),
+    ('{"a": [1]}', 2, None),
+    ('{"a": "[[[[[[{{{{"}', 2, None),                      # brackets inside strings do not count
+    ('{"a\\"b": {"c": [1, 2, [3]]}}', 3, ['a"b', "c", 2]),  # escaped quotes, array indices
+    ("]]][[[[[", 2, None),                                  # a parser stops at the first stray bracket
+    ("[[[", 2, [0, 0]),                                      # not JSON: measured by its brackets all the same
+    ('{"records": [{"z": ' + "[" * 5000 + "]" * 5000 + "}]}", MAX_JSON_DEPTH, ["records", 0, "z"] + [0] * 61),
+])
+def test_too_deep_names_the_first_value_nested_past_the_limit(text, limit, where):
+    assert too_deep(text, limit) == where
+    assert too_deep(text.encode(), limit) == where
+
+
+def test_too_deep_never_recurses_whatever_the_depth():
+    assert len(too_deep("[" * 1_000_000)) == MAX_JSON_DEPTH
+    assert too_deep("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH) is None
+
+
+def test_body_limit_refuses_a_body_nested_past_max_depth_naming_where_before_the_route_runs():
+    app = app_with("clora")
+    app.add_middleware(BodyLimit, max_bytes=1 << 20, shape="clora", max_depth=8)
+    client = TestClient(app)
+    deep = b'{"records": [{"score": ' + b"[" * 5000 + b"]" * 5000 + b"}]}"
+    r = client.post("/batch", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_deeply_nested" and error["field"] == "records.0.score.0.0.0.0.0"
+    assert "deeper than 8 levels" in error["message"] and app.state.bodies == []
+    assert client.post("/batch", json={"records": [{"score": 0.5}]}).json() == {"n": 1}

@@ -83,6 +83,17 @@ def test_create_tenant_shows_key_once(page, registry, tenant_id):
     assert key not in page.content()
 
 
+def test_the_overview_shows_what_the_supervisor_did(page, redis_client):
+    from clora.ingest.reports import ServiceEvent, record_service_event
+
+    detail = f"the embedded broker restarted empty ({time.time_ns()})"
+    record_service_event(redis_client, ServiceEvent(time=time.time(), service="broker", kind="data_lost", detail=detail))
+    page.reload()
+    row = page.wait_for_selector(f"#platform-events tr.alert:has-text('{detail}')")
+    assert "broker" in row.inner_text() and row.query_selector(".pill.failing").inner_text() == "data_lost"
+    shot(page, "platform-events")
+
+
 def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker, tenant_id):
     _, key = registry.create_tenant(tenant_id, name="Growth")
     page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")

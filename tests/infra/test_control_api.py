@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from clora.registry import AdapterVersion
+from clora.registry import AdapterVersion, LearningPolicy
 from clora.ingest.schemas import TOPIC_ADAPTERS
 from tests.kafka_read import read_keyed
 
@@ -20,7 +20,7 @@ ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenan
           ("DELETE", "/api/tenants/x/keys/k"), ("GET", "/api/tenants/x/versions"),
           ("POST", "/api/tenants/x/rollback"), ("GET", "/api/tenants/x/feedback"), ("GET", "/api/dlq"),
           ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers"),
-          ("GET", "/api/tenants/x/traffic")]
+          ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events")]
 
 
 def admin(console) -> dict[str, str]:
@@ -151,3 +151,67 @@ def test_dlq_replay_republishes_the_payload(stack, console, redis_client, tenant
     assert r.json()["topic"] == "clora.feedback"
     values = read_keyed(stack.kafka_bootstrap, "clora.feedback", tenant_id, lambda vs: b'{"fixed": true}' in vs)
     assert b'{"fixed": true}' in values
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"tenant_id": "x"}, "tenant_id"),          # once a TypeError (500): it collided with the argument
+    ({"self": 1}, "self"),
+    ({"learning_rate": 10**400}, "learning_rate"),
+    ([], "body"),
+])
+def test_odd_policy_bodies_are_422_naming_the_field(console, registry, tenant_id, changes, field):
+    registry.create_tenant(tenant_id)
+    r = httpx.patch(f"{console.url}/api/tenants/{tenant_id}/policy", headers=admin(console), json=changes)
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    assert registry.get_tenant(tenant_id).policy == LearningPolicy()   # nothing half-written
+
+
+def test_a_body_nested_too_deep_is_422_naming_where(console, registry, tenant_id):
+    registry.create_tenant(tenant_id)
+    deep = b'{"learning_rate": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    r = httpx.patch(f"{console.url}/api/tenants/{tenant_id}/policy", content=deep,
+                    headers={**admin(console), "content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["field"].startswith("learning_rate.0.0"), r.text
+
+
+@pytest.mark.parametrize("body, field, says", [
+    ({"init_adapter": "/tmp/a\x00b"}, "init_adapter", "NUL"),
+    ({"init_adapter": "/tmp/" + "a" * 5000}, "init_adapter", "cannot be read"),
+    ({"id": "base"}, "id", "reserved"),
+    ({"id": "acme\n"}, "id", "tenant id must be"),
+])
+def test_a_new_tenant_that_cannot_be_is_422_naming_the_field(console, registry, tenant_id, body, field, says):
+    r = httpx.post(f"{console.url}/api/tenants", headers=admin(console), json={"id": tenant_id, **body})
+    assert r.status_code == 422 and r.json()["error"]["field"] == field and says in r.json()["error"]["message"], r.text
+    assert body.get("id", tenant_id) not in [t.id for t in registry.list_tenants()]
+
+
+@pytest.mark.parametrize("suffix", [":keys", ":versions", ":live", "%0A", ":metrics"])
+@pytest.mark.parametrize("route", ["", "/versions", "/buffers", "/feedback", "/metrics", "/traffic", "/policy",
+                                   "/keys"])
+def test_an_id_that_would_reach_another_redis_key_is_404_naming_tenant_id(console, registry, tenant_id, suffix, route):
+    """`acme:keys` once read acme's key hash as a tenant (WRONGTYPE, 500)."""
+    _, key = registry.create_tenant(tenant_id)
+    registry.append_metrics(tenant_id, {"step": 1})
+    method = {"/policy": "PATCH", "/keys": "POST"}.get(route, "GET")
+    r = httpx.request(method, f"{console.url}/api/tenants/{tenant_id}{suffix}{route}", headers=admin(console),
+                      json={"paused": True} if method == "PATCH" else None)
+    assert r.status_code == 404 and r.json()["error"]["field"] == "tenant_id", r.text
+    assert registry.authenticate(key).tenant == tenant_id and not registry.get_tenant(tenant_id).policy.paused
+
+
+def test_platform_events_list_what_the_supervisor_did_newest_first(console, redis_client):
+    import time
+
+    from clora.ingest.reports import ServiceEvent, record_service_event
+
+    marker = f"test-{time.time_ns()}"
+    record_service_event(redis_client, ServiceEvent(time=time.time(), service="redis", kind="restarted", detail=marker))
+    record_service_event(redis_client, ServiceEvent(time=time.time(), service="broker", kind="data_lost",
+                                                    detail=marker + " lost"))
+    events = httpx.get(f"{console.url}/api/platform/events?n=2", headers=admin(console)).json()["events"]
+    assert [(e["service"], e["kind"], e["detail"]) for e in events] == [
+        ("broker", "data_lost", marker + " lost"), ("redis", "restarted", marker)]
+    for n in ("0", "-5", str(10**9)):  # clamped, never an error
+        assert httpx.get(f"{console.url}/api/platform/events?n={n}", headers=admin(console)).status_code == 200
+    assert httpx.get(f"{console.url}/api/platform/events?n=x", headers=admin(console)).status_code == 422

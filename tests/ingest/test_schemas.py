@@ -55,3 +55,65 @@ def test_bad_feedback_names_the_problem(body, field):
 def test_logprobs_must_align_with_tokens():
     with pytest.raises(ValidationError, match="align"):
         _ix(completion_logprobs=[-0.1])
+
+
+@pytest.mark.parametrize("time", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("model", [schemas.FeedbackIn, schemas.FeedbackEvent])
+def test_feedback_times_are_finite(model, time):
+    """A NaN or infinite time is refused where it comes in, naming `time`, not dead-lettered later."""
+    body = {"interaction_id": "i1", "score": 1.0, "time": time}
+    if model is schemas.FeedbackEvent:
+        body |= {"event_id": "fb-1", "tenant": "acme", "source": "user"}
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    assert [err["loc"] for err in e.value.errors()] == [("time",)]
+    with pytest.raises(ValidationError, match="time"):   # as JSON (Python's json reads NaN and Infinity)
+        model.model_validate_json(json.dumps(body))
+
+
+def _correction_calling(arguments: str) -> dict:
+    return {"interaction_id": "i1", "correction": {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}}
+
+
+def test_correction_arguments_nest_no_deeper_than_every_reader_downstream_accepts():
+    from clora.web import MAX_JSON_DEPTH
+
+    ok = '{"a": ' * MAX_JSON_DEPTH + "1" + "}" * MAX_JSON_DEPTH
+    assert schemas.FeedbackIn.model_validate(_correction_calling(ok))
+    deep = "[" * 30_000 + "]" * 30_000   # within the 65 536 characters `arguments` may have
+    with pytest.raises(ValidationError) as e:
+        schemas.FeedbackBatchIn.model_validate({"records": [_correction_calling(deep)]})
+    error = e.value.errors()[0]
+    assert error["loc"] == ("records", 0, "correction", "tool_calls", 0, "function", "arguments")
+    assert error["type"] == "too_deeply_nested" and f"deeper than {MAX_JSON_DEPTH}" in error["msg"]
+
+
+def test_an_unnamed_correction_call_names_its_exact_field():
+    body = _correction_calling("{}")
+    body["correction"]["tool_calls"][0]["function"]["name"] = ""
+    with pytest.raises(ValidationError) as e:
+        schemas.FeedbackIn.model_validate(body)
+    assert e.value.errors()[0]["loc"] == ("correction", "tool_calls", 0, "function", "name")
+
+
+def test_accept_names_an_event_by_the_clients_id_else_the_given_one_else_a_fresh_one():
+    rec = schemas.FeedbackIn(interaction_id="i1", score=1.0, time=0.0)
+    assert schemas.FeedbackEvent.accept("acme", rec, "fb-derived").event_id == "fb-derived"
+    assert schemas.FeedbackEvent.accept("acme", rec.model_copy(update={"event_id": "mine"}), "fb-d").event_id == "mine"
+    assert schemas.FeedbackEvent.accept("acme", rec).event_id.startswith("fb-")
+    assert schemas.FeedbackEvent.accept("acme", rec).time == 0.0   # a time of 0 is a time, not "absent"
+
+
+def test_an_interactions_non_finite_logprobs_survive_its_trip_through_json():
+    from clora.ingest.schemas import LOGPROB_FLOOR, InteractionEvent, Message
+
+    def event(lps):
+        return InteractionEvent(tenant="acme", interaction_id="chatcmpl-1", messages=[Message(role="user", content="hi")],
+                                response=Message(role="assistant", content="ok"), completion_token_ids=[1, 2, 3],
+                                completion_logprobs=lps)
+
+    floored = InteractionEvent.model_validate_json(event([-0.5, float("-inf"), -2.0]).model_dump_json())
+    assert floored.completion_logprobs == [-0.5, LOGPROB_FLOOR, -2.0]
+    for bad in (float("nan"), float("inf")):
+        assert InteractionEvent.model_validate_json(event([-0.5, bad, -2.0]).model_dump_json()).completion_logprobs is None

@@ -232,3 +232,109 @@ def test_redis_restart_costs_no_request_and_redis_down_is_503(stack, webhook, te
         redis_proc.start()
     r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json=body, timeout=30)
     assert r.status_code == 202, r.text
+
+
+def post_raw(webhook, key: str, body: bytes, path: str = "/v1/feedback", **headers: str) -> httpx.Response:
+    """POST `body` as JSON; `headers` go as UTF-8 bytes, as a client may send any byte."""
+    return httpx.post(f"{webhook.url}{path}", content=body, headers={
+        **auth(key), "content-type": "application/json", **{k: v.encode() for k, v in headers.items()}})
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_time_or_score_is_422_naming_it(webhook, tenant, value):
+    """Python's json reads NaN and Infinity; the door refuses them rather than the worker later."""
+    for field in ("time", "score"):
+        body = f'{{"interaction_id": "x", "score": 1, "{field}": {value}}}'.encode()
+        r = post_raw(webhook, tenant[1], body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    r = post_raw(webhook, tenant[1], f'{{"records": [{{"interaction_id": "x", "score": 1, "time": {value}}}]}}'.encode(),
+                 "/v1/feedback/batch")
+    assert r.status_code == 422 and r.json()["error"]["field"] == "records.0.time", r.text
+
+
+@pytest.mark.parametrize("path, wrap, field", [
+    ("/v1/feedback", lambda deep: {"interaction_id": "x", "score": 1, "comment": deep}, "comment.0.0"),
+    ("/v1/feedback/batch", lambda deep: {"records": [{"interaction_id": "x", "correction": deep}]},
+     "records.0.correction.0"),
+])
+def test_a_body_nested_past_what_parsers_downstream_accept_is_422_naming_where(webhook, tenant, path, wrap, field):
+    from clora.web import MAX_JSON_DEPTH
+
+    deep = json.dumps(wrap("__deep__")).replace('"__deep__"', "[" * 20_000 + "]" * 20_000).encode()
+    r = post_raw(webhook, tenant[1], deep, path)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "too_deeply_nested" and r.json()["error"]["field"].startswith(field)
+    assert f"deeper than {MAX_JSON_DEPTH} levels" in r.json()["error"]["message"]
+
+
+def test_correction_arguments_nested_too_deep_are_422_naming_the_field(webhook, tenant):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 20_000 + "]" * 20_000}}
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(tenant[1]), json={
+        "interaction_id": "x", "correction": {"role": "assistant", "content": None, "tool_calls": [call]}})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "correction.tool_calls.0.function.arguments"
+
+
+def _signed(webhook, registry, tenant) -> tuple[str, str]:
+    tid, key = tenant
+    registry.set_signing_secret(tid, "s3cret")
+    time.sleep(webhook.settings.auth_cache_s + 0.1)
+    return tid, key
+
+
+@pytest.mark.parametrize("ts, sig, header", [
+    ("now", "sha256=\u00e9" + "0" * 63, "X-Clora-Signature"),   # not ASCII: compared as bytes after the format check
+    ("now", "sha256=" + "0" * 63, "X-Clora-Signature"),
+    ("now", "md5=" + "0" * 64, "X-Clora-Signature"),
+    ("nan", "good", "X-Clora-Timestamp"),     # float("nan") is no age: it passed every window
+    ("inf", "good", "X-Clora-Timestamp"),
+    ("1e9", "good", "X-Clora-Timestamp"),
+    ("\u0661\u0662", "good", "X-Clora-Timestamp"),   # Arabic-Indic digits that float() reads
+])
+def test_a_malformed_signature_or_timestamp_is_401_naming_the_header(webhook, registry, tenant, ts, sig, header):
+    _, key = _signed(webhook, registry, tenant)
+    body = json.dumps({"interaction_id": "x", "score": 1}).encode()
+    ts = str(int(time.time())) if ts == "now" else ts
+    sig = "sha256=" + sign("s3cret", ts, body) if sig == "good" else sig
+    r = post_raw(webhook, key, body, **{"X-Clora-Timestamp": ts, "X-Clora-Signature": sig})
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "bad_signature" and r.json()["error"]["field"] == header
+
+
+def test_a_replayed_signed_request_without_event_ids_stores_nothing_new(webhook, registry, redis_client,
+                                                                         ingest_worker, stack, tenant, wait_for):
+    tid, key = _signed(webhook, registry, tenant)
+    serve_interaction(stack, registry, tid, f"{tid}-i")
+    body = json.dumps({"records": [{"interaction_id": f"{tid}-i", "score": 1.0}]}).encode()
+    ts = str(int(time.time()))
+    headers = {"X-Clora-Timestamp": ts, "X-Clora-Signature": "sha256=" + sign("s3cret", ts, body)}
+    first = post_raw(webhook, key, body, "/v1/feedback/batch", **headers)
+    replay = post_raw(webhook, key, body, "/v1/feedback/batch", **headers)
+    assert first.status_code == replay.status_code == 202
+    assert first.json()["event_ids"] == replay.json()["event_ids"]
+    wait_for(lambda: ReplayBuffer(redis_client).stats(tid).get("duplicates") == 1, what="the replay counted a duplicate")
+    assert depth(redis_client, tid, "rl") == 1
+    later = str(int(time.time()) + 1)           # the same body signed anew is a new request
+    again = post_raw(webhook, key, body, "/v1/feedback/batch",
+                     **{"X-Clora-Timestamp": later, "X-Clora-Signature": "sha256=" + sign("s3cret", later, body)})
+    assert again.status_code == 202 and again.json()["event_ids"] != first.json()["event_ids"]
+
+
+def test_feedback_on_the_bare_id_of_an_n_choice_response_is_422_naming_the_ids_to_use(webhook, registry, tenant,
+                                                                                      tenant_id):
+    tid, key = tenant
+    registry.claim_response(f"{tid}-r3", tid, 3)                  # a gateway that records the count
+    registry.claim_interaction(f"{tid}-r2-0", tid)                # one that records the choices only
+    registry.claim_interaction(f"{tid}-r2-1", tid)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{tid}-r3", "score": 1})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "interaction_id"
+    assert f"{tid}-r3-0, {tid}-r3-1, {tid}-r3-2" in r.json()["error"]["message"]
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(key), json={"records": [
+        {"interaction_id": f"{tid}-r3-1", "score": 1}, {"interaction_id": f"{tid}-r2", "score": 1}]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "records.1.interaction_id"
+    assert f"{tid}-r2-0, {tid}-r2-1, ..." in r.json()["error"]["message"]
+    ok = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{tid}-r3-2", "score": 1})
+    assert ok.status_code == 202
+    other = tid + "-b"
+    _, other_key = registry.create_tenant(other)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(other_key), json={"interaction_id": f"{tid}-r3", "score": 1})
+    assert r.status_code == 403, r.text       # someone else's response: not even its shape is told

@@ -139,3 +139,12 @@ def test_gate_publishes_within_tolerance_only():
     assert not decide(0.05, 0.0032, 0.02, min_margin=0.01).publish
     assert "beyond 0.01" in decide(0.05, 0.0032, 0.02, min_margin=0.01).reason
     assert not decide(1.05, 1.0, 0.02, min_margin=0.01).publish     # far from 0 the relative tolerance rules
+
+
+def test_only_whole_version_folder_names_count_as_versions(pub):
+    pub, _ = pub
+    tenant_dir = pub.tenant_dir("acme")
+    for name in ("v3", "v12", "v4\n", "v٧", "v5.tmp", "xv6", "v"):  # '٧' is an Arabic-Indic 7
+        (tenant_dir / name).mkdir(parents=True)
+    assert pub.versions_on_disk("acme") == [3, 12]
+    assert pub.next_version("acme") == 13

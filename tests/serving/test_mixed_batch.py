@@ -42,7 +42,9 @@ def test_mixed_batch_equals_each_adapter_alone(serving, tenants, client_for):
     replica = serving.gateway.engine.replicas[0]
     for p in PROMPTS:
         r = httpx.post(replica.url + "/v1/chat/completions", timeout=60, json={
-            "model": "base", "messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0})
+            "model": "base", "messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0},
+            headers={"Authorization": f"Bearer {serving.gateway.engine.api_key}"})  # only the gateway holds it
+        assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == alone[("base", p)]
     # On a CPU build the outputs above came from clora's LoRA path: the replica's hook patched the
     # process that runs the model (vLLM spawns it; patching the parent would not reach it).

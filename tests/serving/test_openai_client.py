@@ -379,4 +379,43 @@ def test_one_tenant_cannot_pin_every_adapter_slot_with_its_old_versions(serving,
     serving.call(stack.aclose())  # both requests end
     assert c.completions.create(model=f"{tenant}@v3", prompt="go", max_tokens=2).choices
     streamed = list(c.completions.create(model=f"{tenant}@v2", prompt="go", max_tokens=4, stream=True))
-    assert streamed and tenant not in gw._held_versions  # real requests release what they held
+    # The client sees [DONE] a moment before the gateway releases what the stream held: wait for
+    # the gateway's own release, then check that real requests release everything they held.
+    holds = serving.call(gw.wait_released(tenant, timeout_s=30))
+    assert streamed and holds.empty() and tenant not in gw._held_versions, holds
+
+
+def test_the_engines_port_refuses_every_caller_but_the_gateway(serving, tenants, client_for):
+    """The replica's `/v1/*` (completions, listing, loading and unloading adapters) needs the
+    engine manager's key; only the gateway holds it."""
+    tenant, key = tenants.create(11)
+    assert client_for(key).chat.completions.create(model=tenant, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2).choices  # the gateway's calls carry it
+    engine = serving.gateway.engine
+    url = engine.replicas[0].url
+    calls = [("GET", "/v1/models", None),
+             ("POST", "/v1/load_lora_adapter", {"lora_name": "intruder@v1", "lora_path": "/tmp/nothing"}),
+             ("POST", "/v1/unload_lora_adapter", {"lora_name": f"{tenant}@v1"}),
+             ("POST", "/v1/completions", {"model": "base", "prompt": "x", "max_tokens": 1})]
+    for method, path, body in calls:
+        for auth in ({}, {"authorization": "Bearer not-the-key"}):
+            r = httpx.request(method, url + path, json=body, headers=auth, timeout=30)
+            assert r.status_code == 401, (path, auth, r.status_code, r.text[:200])
+    assert f"{tenant}@v1" in engine.resident_names()[0]  # the unload was refused
+    ok = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {engine.api_key}"}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_a_field_vllm_would_fail_on_is_refused_and_the_replica_serves_on(serving, tenants, client_for):
+    """`structured_outputs: true` made vLLM answer 500 and drop the connection, and the gateway
+    took the replica out for every tenant: now it never leaves the gateway."""
+    (a, key_a), (b, key_b) = tenants.create(11), tenants.create(12)
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client_for(key_a).chat.completions.create(model=a, messages=msgs, max_tokens=2,
+                                                  extra_body={"structured_outputs": True})
+    assert e.value.body["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client_for(key_a).completions.create(model=a, prompt=["one", "two"], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    assert client_for(key_b).chat.completions.create(model=b, messages=msgs, max_tokens=2).choices

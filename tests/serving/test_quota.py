@@ -25,3 +25,16 @@ def test_quota_concurrency_and_rate():
         q.acquire("a")
     now[0] = 1.0
     q.acquire("a")
+
+
+def test_quota_counts_each_requests_sequences_against_the_tenants_share():
+    q = TenantQuota(concurrency=10, rate_per_s=100.0, burst=100, sequences=16)
+    q.acquire("a", 8)
+    q.acquire("a", 8)
+    with pytest.raises(HttpError, match="sequences") as e:
+        q.acquire("a", 1)
+    assert e.value.status == 429
+    q.acquire("b", 16)  # other tenants are unaffected
+    q.release("a", 8)
+    q.acquire("a", 8)
+    assert q.sequences_in_flight("a") == 16 and q.in_flight("a") == 2

@@ -1,0 +1,83 @@
+"""The ingest worker's liveness: its loop beats a heartbeat, a loop blocked in a Kafka call stops
+beating and the watchdog fires, every broker call it makes is bounded by `request_timeout_ms`.
+Unit tests: a fake consumer, no broker or Redis."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from clora.ingest.settings import IngestSettings
+from clora.ingest.worker import IngestWorker
+from clora.procs import Heartbeat, heartbeat_mtime
+
+
+class BlockingConsumer:
+    """A consumer whose `poll` never returns after `free_polls` polls (a group join that hangs)."""
+
+    def __init__(self, free_polls: int):
+        self.free_polls = free_polls
+        self.release = threading.Event()
+
+    def poll(self, timeout_ms: int = 0):
+        if self.free_polls == 0:
+            self.release.wait()
+        self.free_polls -= 1
+        return {}
+
+    def assignment(self):
+        return set()
+
+    def close(self, autocommit=True, timeout_ms=None):
+        pass
+
+
+def test_a_worker_blocked_in_poll_stops_beating_and_its_watchdog_fires(tmp_path, monkeypatch):
+    consumer = BlockingConsumer(free_polls=3)
+    beat = Heartbeat(tmp_path / "ingest.heartbeat", min_interval_s=0)
+    worker = IngestWorker(IngestSettings(metrics_port=0), "127.0.0.1:1", "redis://127.0.0.1:1/0", heartbeat=beat)
+    monkeypatch.setattr(worker, "consumer", lambda: consumer)
+    monkeypatch.setattr(worker, "_update_gauges", lambda c: None)
+    stalled = threading.Event()
+    silent_for: list[float] = []
+    stop = threading.Event()
+    loop = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    try:
+        loop.start()
+        beat.start_watchdog(1.0, on_stall=lambda s: (silent_for.append(s), stalled.set()))
+        assert stalled.wait(15), "the watchdog did not notice the blocked poll"
+        assert silent_for[0] > 1.0 and consumer.free_polls == 0
+        last = heartbeat_mtime(beat.path)
+        assert last is not None                       # it beat while polls returned
+    finally:
+        stop.set()
+        consumer.release.set()
+        loop.join(5)
+
+
+def test_a_beating_loop_never_trips_the_watchdog():
+    beat = Heartbeat(None)
+    tripped = threading.Event()
+    beat.start_watchdog(0.5, on_stall=lambda s: tripped.set())
+    done = threading.Event()
+    threading.Timer(2.0, done.set).start()
+    while not done.is_set():
+        beat.beat()
+        done.wait(0.05)
+    assert not tripped.is_set()
+
+
+def test_every_broker_call_is_bounded(monkeypatch):
+    import clora.ingest.worker as w
+
+    seen = {}
+    monkeypatch.setattr(w, "KafkaConsumer", lambda *topics, **config: seen.update(config))
+    s = IngestSettings(metrics_port=0, request_timeout_ms=7000)
+    IngestWorker(s, "127.0.0.1:1", "redis://127.0.0.1:1/0").consumer()
+    assert seen["request_timeout_ms"] == 7000 > seen["session_timeout_ms"]
+
+
+def test_request_timeout_must_exceed_the_session_timeout():
+    with pytest.raises(ValueError, match="request_timeout_ms"):
+        IngestSettings(session_timeout_ms=6000, request_timeout_ms=5000)
