@@ -3,8 +3,8 @@ interactions through the broker, kill -9 hits an ingest worker twice in quick su
 worker crashes between its Redis write and its offset commit, and Redis is killed. Every
 accepted event (202 / acknowledged) reaches the replay buffers exactly once.
 
-Serving is not included: starting vLLM with the tiny test model takes minutes on this suite's
-CPU machines; the gateway's liveness is its HTTP answer, the same check the webhook's test covers.
+The serving process's kill -9, with the broker frozen so that answered interactions sit only
+in the gateway's spool, is `test_chaos_serving.py`.
 """
 
 from __future__ import annotations
