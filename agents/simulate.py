@@ -7,7 +7,8 @@ feedback record per turn (source `environment`, score = the episode's reward, ev
 `env-<interaction id>` so a resent step is not counted twice). An `OperatorSimulator`
 attached to it corrects a share of the answers with the environment's reference
 (source `operator`, event id `op-<interaction id>`). `run_tenants` runs several tenants
-concurrently, one thread each; `evaluate` scores an agent on the held-out set.
+concurrently, one thread each; `evaluate` scores an agent on a held-out set, and
+`evaluate_held_out` on both (the traffic's phrasings and unseen ones) at once.
 
 Unit tests drive these against a fake OpenAI server and a fake webhook; the demo and the
 benchmarks drive them against the real gateway and webhook.
@@ -226,15 +227,40 @@ def run_tenants(traffic: Sequence[TenantTraffic], steps: int,
         return {tenant: f.result() for tenant, f in futures.items()}
 
 
-def evaluate(agent: Agent, env: TaskEnv, problems: Sequence[Problem] | None = None, *,
-             concurrency: int = 4) -> float:
-    """Mean reward of greedy (temperature 0) episodes on `problems` (default: the held-out set)."""
+@dataclass(frozen=True)
+class HeldOutScores:
+    """Mean greedy reward on an environment's two held-out sets. Example: `same` 1.00 (problems
+    phrased as the training traffic is) and `unseen` 0.40 (the same tasks phrased otherwise):
+    the adapter learned the templates more than the skill."""
+
+    same: float
+    unseen: float
+
+
+def _greedy_rewards(agent: Agent, env: TaskEnv, problems: Sequence[Problem], concurrency: int) -> list[float]:
     greedy = dataclasses.replace(agent, temperature=0.0)
-    problems = list(problems if problems is not None else env.held_out())
 
     def one(p: Problem) -> float:
         return env.reward(p, greedy.run(list(p.messages)).answer)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        scores = list(pool.map(one, problems))
-    return sum(scores) / len(scores) if scores else 0.0
+        return list(pool.map(one, problems))
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def evaluate(agent: Agent, env: TaskEnv, problems: Sequence[Problem] | None = None, *,
+             concurrency: int = 4) -> float:
+    """Mean reward of greedy (temperature 0) episodes on `problems` (default: the same-template held-out set)."""
+    return _mean(_greedy_rewards(agent, env, list(problems if problems is not None else env.held_out()), concurrency))
+
+
+def evaluate_held_out(agent: Agent, env: TaskEnv, n: int | None = None, *, concurrency: int = 4) -> HeldOutScores:
+    """`evaluate` on the first `n` problems (None: all) of both held-out sets in one pass: the
+    2n episodes share `concurrency` workers, so the requests in flight (and a tenant's share
+    of the engine) stay what one set's evaluation uses, and no worker idles between the sets."""
+    same, unseen = env.held_out("same")[:n], env.held_out("unseen")[:n]
+    rewards = _greedy_rewards(agent, env, same + unseen, concurrency)
+    return HeldOutScores(_mean(rewards[:len(same)]), _mean(rewards[len(same):]))

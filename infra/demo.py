@@ -16,7 +16,10 @@ Every answer gets its reward as feedback (source `environment`) and a simulated 
 corrects the wrong ones (source `operator`) — through the webhook, as production would. The
 learner trains each tenant on its corrections, publishes versions, and serving hot-swaps
 them in. The terminal shows per-tenant progress; the console plots it. The demo ends with
-each tenant's held-out score of the base model vs its final adapter.
+each tenant's held-out scores of the base model vs its final adapter, side by side on two sets:
+problems phrased as the traffic is (`same`) and the same tasks in phrasings the traffic never
+uses (`unseen`). A final score high on `same` and low on `unseen` means the adapter learned the
+traffic's templates rather than the skill.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from clora.agents.envs import ArithmeticEnv, StructuredEnv, SupportEnv
 from clora.agents.envs.base import TaskEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
-from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic, evaluate
+from clora.agents.simulate import HeldOutScores, OperatorSimulator, StepReport, TenantTraffic, evaluate_held_out
 from clora.ids import served_name
 
 if TYPE_CHECKING:
@@ -81,7 +84,9 @@ TENANTS = (
 FINAL_EVAL_RESERVE = 1.8
 """Time left for the final evaluation, in units of the base evaluation's time, with a margin:
 the adapters' evaluation takes longer than the base's (LoRA decoding on CPU is slower, and once
-calc has learned to call its tools each problem takes two or three model calls)."""
+calc has learned to call its tools each problem takes two or three model calls). Both evaluations
+score the same two held-out sets (same-template and unseen, `eval_size` problems each, at the
+same concurrency), so the unseen set's pass is in the unit and the reserve covers it."""
 
 PLATFORM_DEFAULTS = {
     "CLORA_LEARNER_EVAL_MAX_EXAMPLES": "12",     # the publish gate evaluates on 12 held-out examples, not 64
@@ -105,8 +110,10 @@ class Progress:
 
     tenant: str
     task: str
-    base_score: float | None = None
-    score: float | None = None
+    base: HeldOutScores | None = None
+    """The base model's held-out scores (same-template and unseen)."""
+    final: HeldOutScores | None = None
+    """The final adapter's (version `score_version`)."""
     score_version: int | None = None
     steps: int = 0
     rollouts: int = 0
@@ -148,7 +155,8 @@ class Demo:
             agents = {t.id: self._agent(urls["gateway"], keys[t.id], t) for t in TENANTS}
             phases = {"startup_s": time.monotonic() - started}
             self.console.print(f"platform up in {phases['startup_s']:.0f} s; learning starts now, while the base "
-                               f"model is measured on {self.eval_size} held-out problems per tenant ...")
+                               f"model is measured on {self.eval_size} + {self.eval_size} held-out problems per "
+                               "tenant (the traffic's phrasings + unseen ones) ...")
             # the base model's evaluation runs beside the first traffic steps (the learner has
             # nothing to train on yet). The final evaluation of the adapters takes longer than the
             # base's (LoRA decoding on CPU is slower, tool use takes more turns): learning stops
@@ -158,8 +166,8 @@ class Demo:
             learn_started = time.monotonic()
 
             def base_eval() -> None:
-                for tid, score in self._score_all(agents, base=True).items():
-                    self.progress[tid].base_score = score
+                for tid, scores in self._score_all(agents, base=True).items():
+                    self.progress[tid].base = scores
                 phases["base_eval_s"] = time.monotonic() - learn_started
                 self.deadline = started + self.minutes * 60 - FINAL_EVAL_RESERVE * phases["base_eval_s"] - 10
 
@@ -177,9 +185,9 @@ class Demo:
             self.console.print("learning phase over; evaluating every tenant's live adapter "
                                f"({', '.join(f'{k} ' + _version(v) for k, v in live.items())}) ...")
             eval_started = time.monotonic()
-            for tid, score in self._score_all(agents, pinned=live).items():
+            for tid, scores in self._score_all(agents, pinned=live).items():
                 p = self.progress[tid]
-                p.score, p.score_version = score, live[tid]
+                p.final, p.score_version = scores, live[tid]
             phases["final_eval_s"] = time.monotonic() - eval_started
             phases["total_s"] = time.monotonic() - started
             result = self._report(phases)
@@ -216,16 +224,17 @@ class Demo:
         return Agent(client, t.id, tools=t.env.tools, max_turns=3, temperature=0.7, max_tokens=48)
 
     def _score_all(self, agents: dict[str, Agent], base: bool = False,
-                   pinned: dict[str, int | None] | None = None) -> dict[str, float]:
-        """Held-out score of every tenant at once (their requests batch together in vLLM): the
-        base model with `base`; else the version `pinned` names (`calc@v7`), else the live one."""
+                   pinned: dict[str, int | None] | None = None) -> dict[str, HeldOutScores]:
+        """Held-out scores of every tenant at once, on both sets (their requests batch together in
+        vLLM): the base model with `base`; else the version `pinned` names (`calc@v7`), else the
+        live one."""
         import dataclasses
 
-        def one(t: DemoTenant) -> float:
+        def one(t: DemoTenant) -> HeldOutScores:
             version = (pinned or {}).get(t.id)
             model = "base" if base else t.id if version is None else served_name(t.id, version)
             probe = dataclasses.replace(agents[t.id], model=model)
-            return evaluate(probe, t.env, t.env.held_out()[: self.eval_size], concurrency=10)
+            return evaluate_held_out(probe, t.env, self.eval_size, concurrency=10)
 
         with ThreadPoolExecutor(max_workers=len(TENANTS)) as pool:
             return dict(zip((t.id for t in TENANTS), pool.map(one, TENANTS)))
@@ -295,11 +304,11 @@ class Demo:
 
     def _table(self, since: float) -> Table:
         table = Table(title=f"clora demo — learning for {time.monotonic() - since:.0f} s ({self.minutes:.0f} min budget)")
-        for col in ("tenant", "task", "base held-out", "traffic steps", "rollouts", "reward (last step)",
-                    "corrections", "learner steps", "live version", "rollbacks", "errors"):
+        for col in ("tenant", "task", "base held-out (same / unseen)", "traffic steps", "rollouts",
+                    "reward (last step)", "corrections", "learner steps", "live version", "rollbacks", "errors"):
             table.add_column(col)
         for p in self.progress.values():
-            table.add_row(p.tenant, p.task, _fmt(p.base_score), str(p.steps), str(p.rollouts), _fmt(p.reward),
+            table.add_row(p.tenant, p.task, _pair(p.base), str(p.steps), str(p.rollouts), _fmt(p.reward),
                           str(p.corrections), str(p.learner_steps), _version(p.live_version),
                           str(p.rollbacks), str(p.errors))
         return table
@@ -307,17 +316,22 @@ class Demo:
     # --- the end ---------------------------------------------------------------------------
 
     def _report(self, phases: dict[str, float]) -> dict:
-        table = Table(title="clora demo — held-out score, base model vs final adapter")
-        for col in ("tenant", "task", "base", "final", "version", "learner steps", "corrections", "rollouts",
-                    "rollbacks"):
+        table = Table(title="clora demo — held-out score, base model vs final adapter",
+                      caption=f"same: {self.eval_size} problems phrased as the traffic is; unseen: {self.eval_size} "
+                              "of the same tasks phrased as it never is")
+        for col in ("tenant", "task", "base same", "base unseen", "final same", "final unseen", "version",
+                    "learner steps", "corrections", "rollouts", "rollbacks"):
             table.add_column(col)
         rows = []
         for p in self.progress.values():
-            table.add_row(p.tenant, p.task, _fmt(p.base_score), _fmt(p.score),
-                          _version(p.score_version), str(p.learner_steps),
+            table.add_row(p.tenant, p.task, _fmt(_same(p.base)), _fmt(_unseen(p.base)), _fmt(_same(p.final)),
+                          _fmt(_unseen(p.final)), _version(p.score_version), str(p.learner_steps),
                           str(p.corrections), str(p.rollouts), str(p.rollbacks))
-            rows.append({k: getattr(p, k) for k in ("tenant", "task", "base_score", "score", "score_version",
-                                                    "learner_steps", "corrections", "rollouts", "rollbacks", "errors")}
+            rows.append({"tenant": p.tenant, "task": p.task, "base_score": _same(p.base),
+                         "base_unseen_score": _unseen(p.base), "score": _same(p.final),
+                         "unseen_score": _unseen(p.final)}
+                        | {k: getattr(p, k) for k in ("score_version", "learner_steps", "corrections", "rollouts",
+                                                      "rollbacks", "errors")}
                         | {"reward_history": p.history})
         self.console.print(table)
         self.console.print(f"start-up {phases['startup_s']:.0f} s, base evaluation {phases['base_eval_s']:.0f} s, "
@@ -356,6 +370,19 @@ def _version(v: int | None) -> str:
 
 def _fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
+
+
+def _same(s: HeldOutScores | None) -> float | None:
+    return None if s is None else s.same
+
+
+def _unseen(s: HeldOutScores | None) -> float | None:
+    return None if s is None else s.unseen
+
+
+def _pair(s: HeldOutScores | None) -> str:
+    """"0.85 / 0.40" (same-template / unseen), "—" before the evaluation."""
+    return "—" if s is None else f"{s.same:.2f} / {s.unseen:.2f}"
 
 
 def _interrupt(*_) -> None:

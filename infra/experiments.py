@@ -36,7 +36,11 @@ modes (traffic seed i).
 Reported per N: speedup = A time / B time to the last experiment's end, mean experiment
 time, mean step time with its rollout / train / sync means, step-time growth (B / A), each
 experiment's final reward (mean reward of its last step's rollouts) and whether B's mean is
-within ±1σ of A's. Prints a table, writes JSON (`--out`) and a reward-vs-step plot (.png).
+within ±1σ of A's, and held-out scores side by side: greedy reward on `eval_size` problems
+phrased as the traffic is (`same`) and on as many of the same tasks phrased as it never is
+(`unseen`), for the base model (once, on mode B's warm platform) and for every experiment's
+final version (right after its last step, outside every timed phase). Prints a table, writes
+JSON (`--out`) and a reward-vs-step plot (.png).
 """
 
 from __future__ import annotations
@@ -61,10 +65,10 @@ from rich.console import Console
 from rich.table import Table
 
 from clora.agents.envs import ArithmeticEnv
-from clora.agents.envs.base import Difficulty
+from clora.agents.envs.base import DIFFICULTIES, Difficulty
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
-from clora.agents.simulate import OperatorSimulator, StepReport, TenantTraffic
+from clora.agents.simulate import HeldOutScores, OperatorSimulator, StepReport, TenantTraffic, evaluate_held_out
 from clora.ids import served_name
 from clora.registry import check_init_adapter
 
@@ -104,10 +108,15 @@ class BenchConfig:
     init_adapter: str | None = None
     """A PEFT LoRA adapter folder every experiment's tenant starts from (made absolute here);
     None: a fresh LoRA init."""
+    eval_size: int = 10
+    """Problems of each held-out set (same-template and unseen) the base model and every
+    experiment's final version are scored on, untimed; 0: no held-out evaluation."""
 
     def __post_init__(self) -> None:
         if not self.ns or min(self.ns) < 1 or self.steps < 1:
             raise ValueError(f"--n must list counts >= 1 and --steps must be >= 1 (got {self.ns}, {self.steps})")
+        if self.eval_size < 0:
+            raise ValueError(f"eval_size must be >= 0, got {self.eval_size}")
         if self.init_adapter is not None:  # checked now, not after minutes of platform start-up
             object.__setattr__(self, "init_adapter", check_init_adapter(self.init_adapter))
 
@@ -154,6 +163,8 @@ class ExperimentResult:
     ended: float
     steps: tuple[StepRecord, ...]
     startup_s: float = 0.0
+    held_out: HeldOutScores | None = None
+    """The final version's held-out scores (None: not evaluated)."""
 
     @property
     def seconds(self) -> float:
@@ -166,6 +177,7 @@ class ExperimentResult:
     def to_json(self) -> dict:
         return {"tenant": self.tenant, "index": self.index, "started": self.started, "ended": self.ended,
                 "seconds": self.seconds, "startup_s": self.startup_s, "final_reward": self.final_reward,
+                "final_held_out": asdict(self.held_out) if self.held_out else None,
                 "steps": [asdict(s) | {"seconds": s.seconds} for s in self.steps]}
 
 
@@ -196,6 +208,7 @@ def summarize(experiments: Sequence[ExperimentResult]) -> dict:
     for s in steps:
         outcomes[s.outcome] = outcomes.get(s.outcome, 0) + 1
     learner = [s.learner_s for s in steps if s.learner_s is not None]
+    held = [e.held_out for e in experiments if e.held_out is not None]
     return {
         "experiments": len(experiments),
         "wall_s": max(e.ended for e in experiments) - min(e.started for e in experiments),
@@ -210,6 +223,8 @@ def summarize(experiments: Sequence[ExperimentResult]) -> dict:
         "final_rewards": finals,
         "reward_mean": reward_mean,
         "reward_std": reward_std,
+        "held_out_same_mean": statistics.fmean(h.same for h in held) if held else None,
+        "held_out_unseen_mean": statistics.fmean(h.unseen for h in held) if held else None,
         "outcomes": outcomes,
     }
 
@@ -233,9 +248,11 @@ def reward_curve(experiments: Sequence[ExperimentResult]) -> list[float]:
 
 
 def build_report(config: BenchConfig, sequential: Sequence[ExperimentResult],
-                 concurrent: dict[int, Sequence[ExperimentResult]], concurrent_startup_s: float) -> dict:
-    """The JSON the benchmark writes: one row per N comparing the two modes, plus every
-    experiment and step, the reward curves, the reference and the target."""
+                 concurrent: dict[int, Sequence[ExperimentResult]], concurrent_startup_s: float,
+                 base_held_out: HeldOutScores | None = None) -> dict:
+    """The JSON the benchmark writes: one row per N comparing the two modes (final held-out
+    scores included), the base model's held-out scores, every experiment and step, the reward
+    curves, the reference and the target."""
     rows = []
     for n in sorted(concurrent):
         a, b = summarize(sequential_prefix(sequential, n)), summarize(concurrent[n])
@@ -247,6 +264,7 @@ def build_report(config: BenchConfig, sequential: Sequence[ExperimentResult],
                  "mode A at N is the time to the end of its first N (the prefix). Mode B (concurrent) ran on one "
                  "warm platform; its start-up and warm-up step are not counted."),
         "concurrent_startup_s": concurrent_startup_s,
+        "base_held_out": asdict(base_held_out) if base_held_out else None,
         "rows": rows,
         "target": TARGET | ({"met": top["speedup"] >= TARGET["speedup_at_least"]
                              and top["step_growth"] <= TARGET["step_growth_at_most"]} if top else {}),
@@ -263,19 +281,30 @@ def table(report: dict) -> Table:
     t = Table(title=f"{len(report['experiments']['sequential'])} experiments × {report['config']['steps']} steps "
                     f"({report['config']['algorithm']}, {report['config']['training_mode']} learner): "
                     "A = one after another (cold), B = at once (warm)")
+    base = report.get("base_held_out")
+    t.caption = ("held-out = greedy reward on problems phrased as the traffic is / on the same tasks phrased as it "
+                 f"never is ({report['config']['eval_size']} each); base model: "
+                 + (f"{base['same']:.2f} / {base['unseen']:.2f}" if base else "not evaluated"))
     for col in ("N", "A time s", "B time s", "speedup", "A exp s", "B exp s", "A step s (roll/train/sync)",
-                "B step s (roll/train/sync)", "step growth", "A final reward", "B final reward", "B within ±1σ"):
+                "B step s (roll/train/sync)", "step growth", "A final reward", "B final reward", "B within ±1σ",
+                "A held-out same/unseen", "B held-out same/unseen"):
         t.add_column(col, justify="right")
 
     def step(s: dict) -> str:
         return f"{s['mean_step_s']:.1f} ({s['mean_rollout_s']:.1f}/{s['mean_train_s']:.1f}/{s['mean_sync_s']:.1f})"
+
+    def held(s: dict) -> str:
+        if s.get("held_out_same_mean") is None:
+            return "—"
+        return f"{s['held_out_same_mean']:.2f} / {s['held_out_unseen_mean']:.2f}"
 
     for r in report["rows"]:
         a, b = r["sequential"], r["concurrent"]
         t.add_row(str(r["n"]), f"{a['wall_s']:.0f}", f"{b['wall_s']:.0f}", f"{r['speedup']:.2f}x",
                   f"{a['mean_experiment_s']:.0f}", f"{b['mean_experiment_s']:.0f}", step(a), step(b),
                   f"{r['step_growth']:.2f}x", f"{a['reward_mean']:.2f} ± {a['reward_std']:.2f}",
-                  f"{b['reward_mean']:.2f} ± {b['reward_std']:.2f}", "yes" if r["reward_within_1sigma"] else "NO")
+                  f"{b['reward_mean']:.2f} ± {b['reward_std']:.2f}", "yes" if r["reward_within_1sigma"] else "NO",
+                  held(a), held(b))
     return t
 
 
@@ -335,8 +364,18 @@ class Stack:
     admin_token: str
 
 
+EVAL_CONCURRENCY = 8
+"""Held-out episodes in flight per scored tenant (within a tenant's share of the engine)."""
+
+
+def bench_env(config: BenchConfig) -> ArithmeticEnv:
+    """The task every experiment trains on, held out at the traffic's difficulty."""
+    return ArithmeticEnv(difficulties=(config.difficulty,) if config.difficulty else DIFFICULTIES)
+
+
 class Experiment:
-    """One tenant's K on-policy steps (rollout -> train -> sync) on a running platform."""
+    """One tenant's K on-policy steps (rollout -> train -> sync) on a running platform, and
+    the held-out scores of what it ends with (`held_out`)."""
 
     def __init__(self, stack: Stack, tenant: str, index: int, config: BenchConfig,
                  on_step: Callable[[str, StepRecord], None] | None = None):
@@ -348,8 +387,8 @@ class Experiment:
     def run(self) -> list[StepRecord]:
         from openai import OpenAI
 
-        c, env = self.c, ArithmeticEnv()
-        key = self._create_tenant()
+        c, env = self.c, bench_env(self.c)
+        key = self.key = self._create_tenant()
         client = OpenAI(base_url=self.stack.gateway + "/v1", api_key=key, max_retries=2, timeout=600)
         agent = Agent(client, self.tenant, tools=env.tools, max_turns=c.max_turns, temperature=c.temperature,
                       max_tokens=c.max_tokens)
@@ -370,6 +409,18 @@ class Experiment:
             self.gateway.close()
             self.http.close()
         return records
+
+    def held_out(self, base: bool = False) -> HeldOutScores:
+        """Greedy scores on `eval_size` problems of each held-out set, after `run`: of the version
+        the experiment ended with (pinned by name, the base model if it never published one), or
+        with `base` of the base model."""
+        from openai import OpenAI
+
+        env = bench_env(self.c)
+        model = "base" if base or self.live is None else served_name(self.tenant, self.live)
+        with OpenAI(base_url=self.stack.gateway + "/v1", api_key=self.key, max_retries=2, timeout=600) as client:
+            agent = Agent(client, model, tools=env.tools, max_turns=self.c.max_turns, max_tokens=self.c.max_tokens)
+            return evaluate_held_out(agent, env, self.c.eval_size, concurrency=EVAL_CONCURRENCY)
 
     def _create_tenant(self) -> str:
         # the reference's experiments have no reward guard: a rollback would break the one
@@ -521,14 +572,14 @@ class Bench:
         try:
             self._model_env = self._prepare_model()
             sequential = self.sequential(max(c.ns))
-            startup, concurrent = self.concurrent(sorted(set(c.ns)))
+            startup, base_held_out, concurrent = self.concurrent(sorted(set(c.ns)))
             ok = True
         finally:
             if ok and not c.keep:
                 shutil.rmtree(self.root, ignore_errors=True)
             elif not ok:
                 self.console.print(f"[red]failed[/]: platform logs kept under {self.root}")
-        report = build_report(c, sequential, concurrent, startup)
+        report = build_report(c, sequential, concurrent, startup, base_held_out)
         self.console.print(table(report))
         self._verdict(report)
         out = Path(c.out)
@@ -642,8 +693,19 @@ class Bench:
                                    highlight=False)
         return line
 
+    def _scored(self, exp: Experiment, result: ExperimentResult) -> ExperimentResult:
+        """`result` with the held-out scores of the version `exp` ended with (unless eval_size is 0)."""
+        if not self.config.eval_size:
+            return result
+        held = exp.held_out()
+        with self._lock:
+            self.console.print(f"{result.tenant}: held-out same {held.same:.2f}, unseen {held.unseen:.2f} "
+                               f"({_served(exp.tenant, exp.live)})", highlight=False)
+        return replace(result, held_out=held)
+
     def sequential(self, n: int) -> list[ExperimentResult]:
-        """Mode A: n experiments one after another, each on its own fresh platform."""
+        """Mode A: n experiments one after another, each on its own fresh platform. Each one's
+        held-out evaluation runs before its platform stops, off the clock."""
         results, clock = [], time.monotonic()
         for i in range(n):
             started = time.monotonic() - clock
@@ -651,38 +713,52 @@ class Bench:
             try:
                 startup = time.monotonic() - clock - started
                 self.console.print(f"[A] experiment {i + 1}/{n}: platform up in {startup:.0f} s")
-                steps = Experiment(stack, f"seq-{i}", i, self.config, self._progress("A")).run()
+                exp = Experiment(stack, f"seq-{i}", i, self.config, self._progress("A"))
+                steps = exp.run()
                 ended = time.monotonic() - clock
+                scoring = time.monotonic()
+                result = self._scored(exp, ExperimentResult(f"seq-{i}", i, started, ended, tuple(steps), startup))
+                clock += time.monotonic() - scoring      # the evaluation is in no experiment's time
             finally:
                 platform.stop()
-            results.append(ExperimentResult(f"seq-{i}", i, started, ended, tuple(steps), startup))
+            results.append(result)
         return results
 
-    def concurrent(self, ns: Sequence[int]) -> tuple[float, dict[int, list[ExperimentResult]]]:
-        """Mode B: one warm platform; for each n, n fresh tenants at once. Returns (start-up +
-        warm-up seconds, experiments per n)."""
+    def concurrent(self, ns: Sequence[int]) -> tuple[float, HeldOutScores | None, dict[int, list[ExperimentResult]]]:
+        """Mode B: one warm platform; for each n, n fresh tenants at once, scored on the held-out
+        sets once all n have ended. Returns (start-up + warm-up seconds, the base model's held-out
+        scores, experiments per n)."""
         started = time.monotonic()
         platform, stack = self._start("concurrent", concurrent=True)
         try:
-            warm = replace(self.config, steps=1)
-            Experiment(stack, "warmup", 10_000, warm, self._progress("B warm-up", 1)).run()
+            warm = Experiment(stack, "warmup", 10_000, replace(self.config, steps=1), self._progress("B warm-up", 1))
+            warm.run()
             startup = time.monotonic() - started
             self.console.print(f"[B] platform up and warm in {startup:.0f} s")
+            base = warm.held_out(base=True) if self.config.eval_size else None
+            if base:
+                self.console.print(f"base model: held-out same {base.same:.2f}, unseen {base.unseen:.2f}")
             out = {}
             for n in ns:
                 clock = time.monotonic()
 
-                def one(i: int, n=n, clock=clock) -> ExperimentResult:
+                def one(i: int, n=n, clock=clock) -> tuple[Experiment, ExperimentResult]:
                     tenant = f"conc{n}-{i}"
-                    steps = Experiment(stack, tenant, i, self.config, self._progress(f"B N={n}")).run()
-                    return ExperimentResult(tenant, i, 0.0, time.monotonic() - clock, tuple(steps))
+                    exp = Experiment(stack, tenant, i, self.config, self._progress(f"B N={n}"))
+                    steps = exp.run()
+                    return exp, ExperimentResult(tenant, i, 0.0, time.monotonic() - clock, tuple(steps))
 
                 with ThreadPoolExecutor(max_workers=n) as pool:
-                    out[n] = [f.result() for f in [pool.submit(one, i) for i in range(n)]]
-                self.console.print(f"[B] N = {n}: all done in {max(e.ended for e in out[n]):.0f} s")
+                    runs = [f.result() for f in [pool.submit(one, i) for i in range(n)]]
+                    self.console.print(f"[B] N = {n}: all done in {max(r.ended for _, r in runs):.0f} s")
+                    out[n] = list(pool.map(lambda run: self._scored(*run), runs))
         finally:
             platform.stop()
-        return startup, out
+        return startup, base, out
+
+
+def _served(tenant: str, version: int | None) -> str:
+    return "base model" if version is None else served_name(tenant, version)
 
 
 def main(config: BenchConfig) -> dict:

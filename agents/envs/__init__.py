@@ -3,7 +3,7 @@ functions and reference answers for operator corrections.
 
 | module       | owns |
 |--------------|------|
-| `base`       | `Problem`, the `Environment` protocol, `TaskEnv` (seeded training stream, fixed held-out set), difficulties |
+| `base`       | `Problem`, the `Environment` protocol, `TaskEnv` (training stream, held-out sets `same` and `unseen`), difficulties |
 | `arithmetic` | `ArithmeticEnv`: word problems solved with the calculator and `final_answer` tools |
 | `support`    | `SupportEnv`: support replies in the house style (greeting, order number, sign-off) |
 | `structured` | `StructuredEnv`: fields of an order note as one JSON object with exactly the keys asked |
@@ -12,11 +12,11 @@ functions and reference answers for operator corrections.
 """
 
 from clora.agents.envs.arithmetic import ArithmeticEnv
-from clora.agents.envs.base import DIFFICULTIES, Difficulty, Environment, Problem, TaskEnv
+from clora.agents.envs.base import DIFFICULTIES, FAMILIES, Difficulty, Environment, Family, Problem, TaskEnv
 from clora.agents.envs.structured import StructuredEnv
 from clora.agents.envs.support import SupportEnv
 
 ENVIRONMENTS: dict[str, type[TaskEnv]] = {e.name: e for e in (ArithmeticEnv, SupportEnv, StructuredEnv)}
 
 __all__ = ["ArithmeticEnv", "StructuredEnv", "SupportEnv", "Environment", "Problem", "TaskEnv", "Difficulty",
-           "DIFFICULTIES", "ENVIRONMENTS"]
+           "DIFFICULTIES", "ENVIRONMENTS", "FAMILIES", "Family"]

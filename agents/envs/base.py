@@ -1,16 +1,22 @@
 """What every environment shares: the `Problem` record, the `Environment` protocol, and
-`TaskEnv`, which derives a seeded training stream and a fixed held-out set from one
-problem maker so the two never overlap.
+`TaskEnv`, which derives a seeded training stream and fixed held-out sets from its
+problem makers so training and evaluation never overlap.
 
-A problem's identity is its `key` (the user-visible text). The held-out set is made
-once from `HELD_OUT_SEED`; training problems are drawn from the caller's seed and any
-whose key is held out is skipped, so evaluation never sees a problem trained on.
+A problem's identity is its `key` (the user-visible text). Problems come in two phrasing
+families (`Family`):
+
+- `same`: the sentence templates, names and items traffic uses. The training stream is
+  only ever this family; its held-out set is made once from `HELD_OUT_SEED`, and training
+  problems whose key is held out are skipped, so evaluation never sees a problem trained on.
+- `unseen`: the same operations and rules, the same reward, in other sentence shapes with
+  other names and items, which traffic never uses (`_make_unseen`). A held-out score of
+  1.00 on `same` and much less on `unseen` means the templates were learned, not the skill.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from clora.agents.tools import ToolRegistry
@@ -18,8 +24,12 @@ from clora.agents.tools import ToolRegistry
 Difficulty = Literal["easy", "medium", "hard"]
 DIFFICULTIES: tuple[Difficulty, ...] = ("easy", "medium", "hard")
 
+Family = Literal["same", "unseen"]
+FAMILIES: tuple[Family, ...] = ("same", "unseen")
+"""Phrasing families: `same` is the traffic's templates, `unseen` phrasings traffic never uses."""
+
 HELD_OUT_SEED = 1_000_003
-"""Seed of every environment's held-out set (training seeds may be anything)."""
+"""Seed of every environment's held-out sets (training seeds may be anything)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,8 @@ class Problem:
     """What the reward compares against (a number, a dict of fields, a customer record)."""
     reference: tuple[dict[str, Any], ...]
     """A correct continuation of `messages`: assistant turns (and tool results between them)."""
+    family: Family = "same"
+    """Which phrasings the text uses: the traffic's templates (`same`) or others (`unseen`)."""
 
 
 @runtime_checkable
@@ -47,11 +59,11 @@ class Environment(Protocol):
     name: str
     tools: ToolRegistry
 
-    def problem(self, seed: int, difficulty: Difficulty) -> Problem: ...
+    def problem(self, seed: int, difficulty: Difficulty, family: Family = "same") -> Problem: ...
 
     def train_problems(self, n: int, seed: int, difficulty: Difficulty | None = None) -> list[Problem]: ...
 
-    def held_out(self) -> list[Problem]: ...
+    def held_out(self, family: Family = "same") -> list[Problem]: ...
 
     def reward(self, problem: Problem, answer: str | None) -> float: ...
 
@@ -59,8 +71,9 @@ class Environment(Protocol):
 
 
 class TaskEnv:
-    """Base for environments: subclasses define `name`, `tools`, `_make`, `reward`, and
-    (when it is not simply the reference's first assistant message) `correction`."""
+    """Base for environments: subclasses define `name`, `tools`, `_make` (the traffic's
+    phrasings), `_make_unseen` (other phrasings of the same tasks), `reward`, and (when it is
+    not simply the reference's first assistant message) `correction`."""
 
     name: str = "task"
     tools: ToolRegistry = ToolRegistry()
@@ -71,31 +84,44 @@ class TaskEnv:
             raise ValueError(f"{self.name}: difficulties must be a non-empty subset of {DIFFICULTIES}, "
                              f"got {difficulties!r}")
         self.difficulties = tuple(difficulties)
-        """The difficulties this instance draws from (training problems and the held-out set)."""
-        self._held_out: list[Problem] | None = None
+        """The difficulties this instance draws from (training problems and the held-out sets)."""
+        self._held_out: dict[Family, list[Problem]] = {}
 
     def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        """A problem in the traffic's phrasings."""
         raise NotImplementedError
 
-    def problem(self, seed: int, difficulty: Difficulty) -> Problem:
-        """The problem for (seed, difficulty): the same on every call and every machine."""
+    def _make_unseen(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        """A problem of the same kind in phrasings `_make` never produces."""
+        raise NotImplementedError(f"{self.name}: this environment has no unseen phrasings")
+
+    def problem(self, seed: int, difficulty: Difficulty, family: Family = "same") -> Problem:
+        """The problem for (seed, difficulty, family): the same on every call and every machine."""
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"{self.name}: difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
-        return self._make(random.Random(f"{self.name}/{difficulty}/{seed}"), difficulty)
+        if family == "same":
+            return self._make(random.Random(f"{self.name}/{difficulty}/{seed}"), difficulty)
+        if family == "unseen":
+            p = self._make_unseen(random.Random(f"{self.name}/unseen/{difficulty}/{seed}"), difficulty)
+            return replace(p, family="unseen")
+        raise ValueError(f"{self.name}: family must be one of {FAMILIES}, got {family!r}")
 
-    def held_out(self) -> list[Problem]:
-        """The fixed evaluation set: `held_out_size` distinct problems, the instance's difficulties in turn."""
-        if self._held_out is None:
+    def held_out(self, family: Family = "same") -> list[Problem]:
+        """A fixed evaluation set: `held_out_size` distinct problems of `family`, the instance's
+        difficulties in turn. `same` shares the traffic's templates (and is kept out of training);
+        `unseen` is phrased as traffic never is."""
+        if family not in self._held_out:
             out: dict[str, Problem] = {}
             i = 0
             while len(out) < self.held_out_size:
-                p = self.problem(HELD_OUT_SEED + i, self.difficulties[len(out) % len(self.difficulties)])
+                p = self.problem(HELD_OUT_SEED + i, self.difficulties[len(out) % len(self.difficulties)], family)
                 out.setdefault(p.key, p)
                 i += 1
                 if i > 100 * self.held_out_size:
-                    raise RuntimeError(f"{self.name}: cannot find {self.held_out_size} distinct held-out problems")
-            self._held_out = list(out.values())
-        return list(self._held_out)
+                    raise RuntimeError(f"{self.name}: cannot find {self.held_out_size} distinct {family} "
+                                       "held-out problems")
+            self._held_out[family] = list(out.values())
+        return list(self._held_out[family])
 
     def train_problems(self, n: int, seed: int, difficulty: Difficulty | None = None) -> list[Problem]:
         """`n` training problems drawn from `seed`, none of them held out (difficulty None: any of

@@ -8,7 +8,10 @@ compare case-insensitively after trimming; numbers numerically ("3" counts for 3
 The correction is the right JSON, compact: `{"name": "Dana Lee", "city": "Oslo"}`.
 
 Difficulties ask for more keys: easy name+city, medium +quantity, hard +item with a
-distractor number in the text.
+distractor number in the text. Traffic asks for the keys in that order, about notes shaped
+"Dana Lee orders 3 mugs, ship to Oslo."; the unseen held-out set asks for the same keys in
+another order, about other people, places and products in other note shapes
+("Deliver to Bergen: 3 kettles, ordered by Lena Novak."), with the same reward.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ LAST = ("Lee", "Shah", "Rossi", "Ito", "Okafor", "Berg", "Chen", "Ruiz", "Smith"
 CITIES = ("Oslo", "Lima", "Pune", "Kyoto", "Lagos", "Porto", "Quito", "Hanoi", "Dublin", "Austin")
 ITEMS = ("mugs", "lamps", "chairs", "books", "plates", "towels", "pens", "rugs")
 KEYS = {"easy": ("name", "city"), "medium": ("name", "city", "quantity"), "hard": ("name", "city", "quantity", "item")}
+UNSEEN_FIRST = ("Lena", "Tomas", "Aisha", "Hugo", "Ines", "Kai", "Zara", "Felix", "Rosa", "Idris")
+UNSEEN_LAST = ("Novak", "Mensah", "Larsen", "Dubois", "Tanaka", "Silva", "Haddad", "Moreau", "Kowal", "Eriksen")
+UNSEEN_CITIES = ("Bergen", "Cusco", "Nagpur", "Sapporo", "Accra", "Braga", "Cuenca", "Hue", "Galway", "Denver")
+UNSEEN_ITEMS = ("kettles", "vases", "stools", "maps", "bowls", "blankets", "candles", "mats")
+UNSEEN_KEYS = {"easy": ("city", "name"), "medium": ("quantity", "name", "city"),
+               "hard": ("item", "city", "quantity", "name")}
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -66,6 +75,21 @@ class StructuredEnv(TaskEnv):
             "hard": f"Ticket {rng.randint(100, 999)}: {fields['name']} wants {fields['quantity']} {fields['item']} "
                     f"sent to {fields['city']}.",
         }[difficulty]
+        return self._problem(difficulty, keys, note, fields)
+
+    def _make_unseen(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        fields = {"name": f"{rng.choice(UNSEEN_FIRST)} {rng.choice(UNSEEN_LAST)}", "city": rng.choice(UNSEEN_CITIES),
+                  "quantity": rng.randint(2, 40), "item": rng.choice(UNSEEN_ITEMS)}
+        note = {
+            "easy": f"Deliver to {fields['city']}; the buyer is {fields['name']}.",
+            "medium": f"Deliver to {fields['city']}: {fields['quantity']} {fields['item']}, ordered by "
+                      f"{fields['name']}.",
+            "hard": f"Invoice {rng.randint(100, 999)} lists {fields['quantity']} {fields['item']} for "
+                    f"{fields['name']}, who lives in {fields['city']}.",
+        }[difficulty]
+        return self._problem(difficulty, UNSEEN_KEYS[difficulty], note, fields)
+
+    def _problem(self, difficulty: Difficulty, keys: tuple[str, ...], note: str, fields: dict[str, Any]) -> Problem:
         text = f"Keys: {', '.join(keys)}.\nText: {note}"
         expected = {k: fields[k] for k in keys}
         messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": text})

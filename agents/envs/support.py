@@ -7,7 +7,10 @@ sign-off "— Acme Support". Reward = the fraction of rules met. The correction 
 reference reply: short, in style, for that customer's issue.
 
 Difficulties change how the customer writes (short, chatty, with an unrelated number as
-a distractor), not the rules.
+a distractor), not the rules. Traffic's messages open with the customer's name ("Maria: my
+order #4821 has not arrived yet."); the unseen held-out set has other customers who write
+other sentences about the same issues and sign with their name ("Still nothing for parcel
+#4821. Any news? — Hannah"), with the same rules, reference replies and reward.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ ISSUES = {
     "refund": ("I want a refund for order #{order}", "Your refund for order #{order} is approved. It takes 5 days."),
     "address": ("can I change the address on order #{order}", "Yes, reply with the new address for order #{order}."),
 }
+UNSEEN_NAMES = ("Hannah", "Kwame", "Sofia", "Mateo", "Leila", "Tariq", "Ingrid", "Ravi", "Elena", "Jamal", "Yuki",
+                "Bruno")
+UNSEEN_ASKS = {
+    "late": "Still nothing for parcel #{order}, which should have come last week",
+    "damaged": "The box for #{order} showed up crushed and the contents are broken",
+    "refund": "Please send my money back for purchase #{order}",
+    "address": "We moved, so purchase #{order} needs to go to a different street",
+}
+"""The customer's side of each issue (`ISSUES`' keys) in the unseen phrasings."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,19 @@ class SupportEnv(TaskEnv):
             "medium": f"{c.name}: hello, {ask}. Please help!",
             "hard": f"{c.name}: I called {rng.randint(2, 9)} times already and {ask}. Fix it today.",
         }[difficulty]
+        return self._problem(difficulty, text, c)
+
+    def _make_unseen(self, rng: random.Random, difficulty: Difficulty) -> Problem:
+        c = Customer(rng.choice(UNSEEN_NAMES), str(rng.randint(1000, 9999)), rng.choice(sorted(ISSUES)))
+        ask = UNSEEN_ASKS[c.issue].format(order=c.order)
+        text = {
+            "easy": f"{ask}. — {c.name}",
+            "medium": f"Good morning! {ask}. Could you sort it out? Thanks, {c.name}",
+            "hard": f"Message number {rng.randint(2, 9)} about this! {ask}. Answer me now. — {c.name}",
+        }[difficulty]
+        return self._problem(difficulty, text, c)
+
+    def _problem(self, difficulty: Difficulty, text: str, c: Customer) -> Problem:
         messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": text})
         return Problem(self.name, difficulty, text, messages, c,
                        ({"role": "assistant", "content": styled_reply(c)},))

@@ -1,10 +1,14 @@
-"""Environments: seeded generators, held-out sets disjoint from training, rewards, references."""
+"""Environments: seeded generators, held-out sets disjoint from training (and an unseen-phrasings
+set sharing no sentence shape with it), rewards, references."""
 
 import json
+import random
+import re
 
 import pytest
 
-from clora.agents.envs import DIFFICULTIES, ENVIRONMENTS, ArithmeticEnv, StructuredEnv, SupportEnv
+from clora.agents.envs import DIFFICULTIES, ENVIRONMENTS, ArithmeticEnv, StructuredEnv, SupportEnv, TaskEnv
+from clora.agents.envs import arithmetic, structured, support
 from clora.agents.envs.arithmetic import calculator_call, final_answer_call, parse_number
 from clora.agents.tools import evaluate
 
@@ -54,9 +58,132 @@ def test_reference_earns_full_reward_and_garbage_earns_none(env):
 
 
 def test_prompts_and_references_stay_short(env):
-    for p in env.held_out():
-        assert len(p.key) < 160
+    for p in env.held_out() + env.held_out("unseen"):
+        assert len(p.key) < 160, p.key
         assert len(json.dumps(p.reference[-1])) < 260
+
+
+# --- the unseen phrasings -------------------------------------------------------------------
+
+SLOT_WORDS = {   # per environment: (the traffic's words, the unseen set's words) of each slot
+    "arithmetic": [(arithmetic.NAMES, arithmetic.UNSEEN_NAMES), (arithmetic.ITEMS, arithmetic.UNSEEN_ITEMS)],
+    "support": [(support.NAMES, support.UNSEEN_NAMES)],
+    "structured": [(structured.FIRST, structured.UNSEEN_FIRST), (structured.LAST, structured.UNSEEN_LAST),
+                   (structured.CITIES, structured.UNSEEN_CITIES), (structured.ITEMS, structured.UNSEEN_ITEMS)],
+}
+TEMPLATES = {"arithmetic": 4 + 3 + 2, "support": 4 * 3, "structured": 3}
+"""Sentence shapes per family: arithmetic's templates per difficulty, support's issues x
+difficulties, structured's one note per difficulty."""
+NUM, WORD = "<n>", "<w>"
+
+
+def skeleton(env, text: str) -> str:
+    """`text` with its numbers and slot words (names, items, cities of either family) abstracted:
+    "Sam has 4 bags with 7 apples each." -> "<w> has <n> bags with <n> <w> each."."""
+    words = sorted({w for slot in SLOT_WORDS[env.name] for family in slot for w in family}, key=len, reverse=True)
+    text = re.sub(r"\d+", NUM, text)
+    return re.sub(r"\b(" + "|".join(map(re.escape, words)) + r")\b", WORD, text)
+
+
+def template_pattern(skel: str) -> re.Pattern:
+    """A training skeleton as a pattern whose slots take any number and any one or two words."""
+    parts = re.split(f"({re.escape(NUM)}|{re.escape(WORD)})", skel)
+    return re.compile("".join(r"\d+" if p == NUM else r"[^\s.,;:!?]+(?: [^\s.,;:!?]+)?" if p == WORD
+                              else re.escape(p) for p in parts))
+
+
+def _traffic(env):
+    return [p for seed in range(3) for p in env.train_problems(300, seed=seed)]
+
+
+def _unseen(env):
+    return [env.problem(seed, d, "unseen") for seed in range(300) for d in env.difficulties]
+
+
+def test_unseen_phrasings_share_no_sentence_skeleton_and_no_word_with_traffic(env):
+    traffic = {skeleton(env, p.key) for p in _traffic(env) + env.held_out()}
+    unseen = {skeleton(env, p.key) for p in _unseen(env) + env.held_out("unseen")}
+    # every template of each family was drawn, so disjointness covers them all
+    assert len(traffic) == len(unseen) == TEMPLATES[env.name], (sorted(traffic), sorted(unseen))
+    assert not traffic & unseen
+    for same_words, unseen_words in SLOT_WORDS[env.name]:
+        assert not set(same_words) & set(unseen_words)
+
+
+def test_no_unseen_problem_matches_a_training_template_with_any_words_in_its_slots(env):
+    traffic = _traffic(env)
+    patterns = [template_pattern(s) for s in {skeleton(env, p.key) for p in traffic}]
+    assert all(any(pat.fullmatch(p.key) for pat in patterns) for p in traffic)     # the patterns describe traffic
+    assert any(pat.fullmatch("Zed has 3 bags with 4 kiwis each. How many kiwis does Zed have?") for pat in patterns) \
+        or env.name != "arithmetic"                                                 # ... with words it never uses
+    matched = [p.key for p in _unseen(env) if any(pat.fullmatch(p.key) for pat in patterns)]
+    assert matched == []
+
+
+def test_unseen_held_out_set_is_fixed_distinct_and_never_drawn_by_traffic(env):
+    held = env.held_out("unseen")
+    assert held == type(env)().held_out("unseen")
+    assert len({p.key for p in held}) == len(held) == env.held_out_size
+    assert {p.difficulty for p in held} == set(DIFFICULTIES) and {p.family for p in held} == {"unseen"}
+    assert env.problem(7, "hard", "unseen") == type(env)().problem(7, "hard", "unseen")
+    assert env.problem(7, "hard", "unseen").key != env.problem(8, "hard", "unseen").key
+    traffic = _traffic(env)
+    assert {p.family for p in traffic} == {"same"} and {p.family for p in env.held_out()} == {"same"}
+    assert not {p.key for p in held} & ({p.key for p in traffic} | {p.key for p in env.held_out()})
+
+
+def _wrong_answer(env, problem) -> str:
+    """An answer that breaks every rule: a wrong number, a reply without the house style, wrong fields."""
+    if env.name == "arithmetic":
+        return str(problem.expected + 1)
+    if env.name == "support":
+        return "Hello there, we are looking into it."
+    return json.dumps({k: "nothing" for k in problem.expected})
+
+
+def test_unseen_references_earn_full_reward_and_wrong_answers_none(env):
+    problems = env.held_out("unseen") + _unseen(env)[:60]
+    for p in problems:
+        assert env.reward(p, _reference_answer(env, p)) == 1.0, p.key
+        assert env.reward(p, _wrong_answer(env, p)) == 0.0, p.key
+        assert env.reward(p, None) == 0.0
+        assert env.correction(p, list(p.messages)) == p.reference[0]
+
+
+def test_unseen_arithmetic_asks_the_same_operations_on_whole_numbers():
+    env = ArithmeticEnv()
+    ops = {}
+    for family in ("same", "unseen"):
+        for p in [env.problem(s, d, family) for s in range(200) for d in DIFFICULTIES]:
+            expr = json.loads(p.reference[0]["tool_calls"][0]["function"]["arguments"])["expression"]
+            assert evaluate(expr) == p.expected and isinstance(p.expected, int) and p.expected >= 0
+            ops.setdefault(family, set()).add((p.difficulty, re.sub(r"\d+", "n", expr)))
+    assert ops["same"] == ops["unseen"]
+    split = next(p for s in range(200) if (p := env.problem(s, "easy", "unseen")).key.startswith("Split "))
+    assert re.fullmatch(r"Split (\d+) \w+ evenly among (\d+) jars\. How many per jar\?", split.key)
+
+
+def test_unseen_structured_problems_ask_for_the_keys_in_another_order():
+    env = StructuredEnv()
+    for d in DIFFICULTIES:
+        same, unseen = env.problem(1, d), env.problem(1, d, "unseen")
+        assert set(same.expected) == set(unseen.expected) and list(same.expected) != list(unseen.expected)
+        assert unseen.key.startswith(f"Keys: {', '.join(unseen.expected)}.")
+
+
+def test_an_unknown_family_is_refused_and_an_environment_without_unseen_phrasings_says_so():
+    with pytest.raises(ValueError, match="family must be one of"):
+        ArithmeticEnv().problem(1, "easy", "novel")
+
+    class Echo(TaskEnv):
+        name = "echo"
+
+        def _make(self, rng: random.Random, difficulty):
+            return ArithmeticEnv()._make(rng, difficulty)
+
+    assert len(Echo().held_out()) == Echo.held_out_size
+    with pytest.raises(NotImplementedError, match="echo: this environment has no unseen phrasings"):
+        Echo().held_out("unseen")
 
 
 # --- arithmetic -------------------------------------------------------------------------

@@ -5,7 +5,8 @@ import pytest
 from clora.agents.envs import ArithmeticEnv, StructuredEnv, SupportEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent, AgentError
-from clora.agents.simulate import OperatorSimulator, TenantTraffic, evaluate, run_tenants, same_action
+from clora.agents.simulate import (HeldOutScores, OperatorSimulator, TenantTraffic, evaluate, evaluate_held_out,
+                                   run_tenants, same_action)
 
 from tests.fakes import oracle
 
@@ -200,3 +201,21 @@ def test_evaluate_scores_the_held_out_set_greedily(fake_openai, openai_client):
     assert {r["temperature"] for r in fake_openai.requests} == {0.0}
     fake_openai.policy = lambda body, i: "{}"
     assert evaluate(Agent(openai_client, "acme"), env, held) == 0.0
+
+
+def _knows(env, problems):
+    """The oracle on `problems`, "I don't know." on any other."""
+    known, keys = oracle(env, problems), {p.key for p in problems}
+    return lambda body, i: known(body, i) if body["messages"][1]["content"] in keys else "I don't know."
+
+
+def test_evaluate_held_out_scores_both_sets_in_one_pass(fake_openai, openai_client):
+    env = StructuredEnv()
+    fake_openai.policy = _knows(env, env.held_out()[:3])    # right on the traffic's phrasings only
+    scores = evaluate_held_out(Agent(openai_client, "acme"), env, 3, concurrency=2)
+    assert scores == HeldOutScores(same=1.0, unseen=0.0)
+    asked = [r["messages"][1]["content"] for r in fake_openai.requests]
+    assert sorted(asked) == sorted(p.key for p in env.held_out()[:3] + env.held_out("unseen")[:3])
+    assert {r["temperature"] for r in fake_openai.requests} == {0.0}
+    fake_openai.policy = _knows(env, env.held_out("unseen")[:3])
+    assert evaluate_held_out(Agent(openai_client, "acme"), env, 3) == HeldOutScores(same=0.0, unseen=1.0)

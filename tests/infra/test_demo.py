@@ -1,9 +1,12 @@
 """The demo's scoring against the fake OpenAI server (the whole demo runs as users run it)."""
 
+import json
+
 from rich.console import Console
 
-from clora.infra.demo import TENANTS, Demo
 from clora.agents.runtime import Agent
+from clora.agents.simulate import HeldOutScores
+from clora.infra.demo import TENANTS, Demo
 
 
 def test_the_final_evaluation_scores_the_pinned_versions(fake_openai, openai_client):
@@ -11,11 +14,40 @@ def test_the_final_evaluation_scores_the_pinned_versions(fake_openai, openai_cli
     agents = {t.id: Agent(openai_client, t.id, tools=t.env.tools, max_turns=3) for t in TENANTS}
     pinned = {"calc": 7, "support": None, "extract": 2}
     scores = demo._score_all(agents, pinned=pinned)
-    assert set(scores) == {"calc", "support", "extract"}
+    assert scores == {t: HeldOutScores(0.0, 0.0) for t in ("calc", "support", "extract")}
     # a version published during the evaluation is never served to it: every request names its version
     assert {r["model"] for r in fake_openai.requests} == {"calc@v7", "support", "extract@v2"}
     assert all(r["temperature"] == 0.0 for r in fake_openai.requests)
-    assert len(fake_openai.requests) == 3 * 3          # 3 problems each, one call each ("I don't know." ends it)
+    # 3 same-template + 3 unseen problems each, one call each ("I don't know." ends it)
+    assert len(fake_openai.requests) == 3 * (3 + 3)
+    asked = {r["messages"][1]["content"] for r in fake_openai.requests}
+    assert asked == {p.key for t in TENANTS for family in ("same", "unseen") for p in t.env.held_out(family)[:3]}
     fake_openai.requests.clear()
     demo._score_all(agents, base=True)
-    assert {r["model"] for r in fake_openai.requests} == {"base"}
+    # the base evaluation (the unit of FINAL_EVAL_RESERVE) makes the same passes as the final one
+    assert {r["model"] for r in fake_openai.requests} == {"base"} and len(fake_openai.requests) == 3 * (3 + 3)
+
+
+def test_the_report_puts_same_template_and_unseen_scores_side_by_side(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    console = Console(record=True, width=200)
+    demo = Demo(minutes=1, eval_size=3, console=console)
+    demo.progress["calc"].base, demo.progress["calc"].final = HeldOutScores(0.1, 0.05), HeldOutScores(1.0, 0.35)
+    demo.progress["calc"].score_version = 4
+    demo.progress["support"].base = HeldOutScores(0.0, 0.0)         # never finished its final evaluation
+    phases = {"startup_s": 1.0, "base_eval_s": 2.0, "learning_s": 3.0, "final_eval_s": 4.0, "total_s": 10.0}
+    result = demo._report(phases)
+
+    written = json.loads((tmp_path / "bench-results" / "demo.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    calc, support = written["tenants"][0], written["tenants"][1]
+    assert (calc["base_score"], calc["base_unseen_score"], calc["score"], calc["unseen_score"]) == \
+        (0.1, 0.05, 1.0, 0.35)
+    assert calc["score_version"] == 4
+    assert (support["base_score"], support["base_unseen_score"], support["score"], support["unseen_score"]) == \
+        (0.0, 0.0, None, None)
+    text = console.export_text()
+    assert "held-out score, base model vs final adapter" in text
+    assert all(col in text for col in ("base same", "base unseen", "final same", "final unseen"))
+    calc_line = next(line for line in text.splitlines() if line.strip("│ ").startswith("calc"))
+    assert [c.strip() for c in calc_line.split("│")[3:8]] == ["0.10", "0.05", "1.00", "0.35", "v4"]

@@ -6,13 +6,14 @@ import math
 import os
 
 import pytest
+from rich.console import Console
 
 from clora.infra.experiments import (CORE_SPLIT, Bench, BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
                                       build_report, compare, mean_std, reward_curve, sequential_prefix, summarize, table,
                                       training_examples)
 from clora.agents.envs import ArithmeticEnv
 from clora.agents.runtime import EpisodeTrace, Turn
-from clora.agents.simulate import OperatorSimulator, Rollout, StepReport
+from clora.agents.simulate import HeldOutScores, OperatorSimulator, Rollout, StepReport
 from clora.ids import served_name
 from clora.ingest.buffers import is_heldout
 from clora.registry import ADAPTER_FILES
@@ -92,6 +93,55 @@ def test_report_shape_and_target():
     assert table(report).row_count == 3
 
 
+def test_report_puts_base_and_final_held_out_scores_side_by_side():
+    config = BenchConfig(ns=(1, 2), steps=1, eval_size=5)
+    seq = [dataclasses.replace(experiment(i, 10 * i, 10 * i + 9, [0.5]), held_out=HeldOutScores(1.0, 0.2 * i))
+           for i in range(2)]
+    conc = {1: [dataclasses.replace(experiment(0, 0, 9, [0.5]), held_out=HeldOutScores(0.8, 0.4))],
+            2: [dataclasses.replace(experiment(i, 0, 9, [0.5]), held_out=HeldOutScores(0.6, 0.0)) for i in range(2)]}
+    report = json.loads(json.dumps(build_report(config, seq, conc, 0.0, base_held_out=HeldOutScores(0.1, 0.05))))
+
+    assert report["base_held_out"] == {"same": 0.1, "unseen": 0.05}
+    one, two = report["rows"]
+    assert (one["sequential"]["held_out_same_mean"], one["sequential"]["held_out_unseen_mean"]) == (1.0, 0.0)
+    assert (two["sequential"]["held_out_same_mean"], two["sequential"]["held_out_unseen_mean"]) == (1.0, 0.1)
+    assert (one["concurrent"]["held_out_same_mean"], one["concurrent"]["held_out_unseen_mean"]) == (0.8, 0.4)
+    assert report["experiments"]["sequential"][1]["final_held_out"] == {"same": 1.0, "unseen": 0.2}
+    console = Console(record=True, width=300)
+    console.print(table(report))
+    text = console.export_text()
+    assert "base model: 0.10 / 0.05" in text and "(5 each)" in text
+    assert "A held-out same/unseen" in text and "B held-out same/unseen" in text
+    assert "1.00 / 0.10" in text and "0.60 / 0.00" in text
+
+
+def test_a_report_without_held_out_scores_says_so():
+    seq = [experiment(0, 0, 9, [0.0])]
+    report = build_report(BenchConfig(ns=(1,), eval_size=0), seq, {1: seq}, 0.0)
+    assert report["base_held_out"] is None and report["rows"][0]["sequential"]["held_out_same_mean"] is None
+    assert report["experiments"]["sequential"][0]["final_held_out"] is None
+    console = Console(record=True, width=300)
+    console.print(table(report))
+    assert "base model: not evaluated" in console.export_text()
+
+
+def test_the_held_out_evaluation_scores_the_final_version_or_the_base_on_both_sets(fake_openai):
+    config = BenchConfig(eval_size=3)
+    exp = Experiment(Stack(fake_openai.url, "http://wh", "http://console", "http://metrics", "token"), "fork", 0,
+                     config)
+    exp.key, exp.live = "key-1", 4
+    assert exp.held_out() == HeldOutScores(0.0, 0.0)      # "I don't know." is never a final answer
+    assert {r["model"] for r in fake_openai.requests} == {served_name("fork", 4)}
+    env = ArithmeticEnv(difficulties=("easy",))           # held out at the traffic's difficulty
+    assert sorted(r["messages"][1]["content"] for r in fake_openai.requests) == \
+        sorted(p.key for p in env.held_out()[:3] + env.held_out("unseen")[:3])
+    fake_openai.requests.clear()
+    exp.held_out(base=True)
+    exp.live = None
+    exp.held_out()
+    assert {r["model"] for r in fake_openai.requests} == {"base"} and len(fake_openai.requests) == 2 * 6
+
+
 def test_report_without_n8_has_no_verdict():
     seq = [experiment(i, 10 * i, 10 * i + 9, [0.0]) for i in range(2)]
     report = build_report(BenchConfig(ns=(1, 2)), seq, {1: seq[:1], 2: seq}, 0.0)
@@ -126,6 +176,8 @@ def test_training_examples_count_the_kind_minus_held_out():
 def test_config_rejects_empty_counts():
     with pytest.raises(ValueError, match="--n"):
         BenchConfig(ns=())
+    with pytest.raises(ValueError, match="eval_size must be >= 0"):
+        BenchConfig(eval_size=-1)
     with pytest.raises(ValueError, match="--steps"):
         BenchConfig(steps=0)
 
