@@ -40,6 +40,7 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from clora.ids import RESERVED_TENANT_IDS, TENANT_ID_RE, choice_ids, validate_tenant_id
+from clora.reward_spec import RewardSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,14 @@ class LearningPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     paused: bool = False
-    algorithm: Literal["sft", "dpo", "rl"] = "sft"
+    algorithm: Literal["sft", "dpo", "rl", "kto", "auto"] = "sft"
+    """`sft`: corrections (NLL). `dpo`: preference pairs (correction vs the original answer).
+    `rl`: scored samples, advantages normalised within each group of rollouts of one prompt (a
+    sample scored alone gets none). `kto`: every scored sample is a desirable (reward >=
+    `desirable_reward`) or undesirable single response (KTO). `auto`: whatever the buffer holds,
+    in one step: SFT for corrections, DPO for pairs, the grouped policy gradient for grouped
+    samples, and for samples scored alone (a thumbs up/down, a rating) the policy gradient
+    against the tenant's running mean reward or KTO (`unpaired`); each term weighted below."""
     learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
     batch_size: int = Field(default=8, ge=1, le=1024)
     weight: float = Field(default=1.0, gt=0, le=1000)
@@ -98,6 +106,42 @@ class LearningPolicy(BaseModel):
     reward_guard_min_samples: int = Field(default=12, ge=2, le=1_000_000)
     reward_guard_margin: float = Field(default=0.1, ge=0, le=1e6)
     """The smallest drop in mean reward that rolls a version back (rewards' own units)."""
+    reward_spec: RewardSpec | None = None
+    """Which feedback keys train, how each value maps to a reward in [0, 1], its weight and the
+    sources it is trusted from (`clora.reward_spec`). None: every score trains as its own reward,
+    whatever its key and source."""
+    unpaired: Literal["pg", "kto"] = "pg"
+    """`auto`: how a scored sample without a group trains. `pg`: the clipped policy gradient with
+    advantage reward - the tenant's running mean reward. `kto`: KTO against the base model."""
+    desirable_reward: float = Field(default=0.5, ge=-1e6, le=1e6)
+    """KTO (and the held-out score of `auto`/`kto`): a scored sample is desirable when its
+    reward is at least this, undesirable otherwise."""
+    kto_beta: float = Field(default=0.1, gt=0, le=100)
+    """KTO temperature: how far the policy may move from the reference (the base model)."""
+    kto_desirable_weight: float = Field(default=1.0, gt=0, le=100)
+    """KTO's lambda_D, the weight of a desirable sample's loss (the paper: keep lambda_D * #desirable
+    / (lambda_U * #undesirable) between 1 and 4/3)."""
+    kto_undesirable_weight: float = Field(default=1.0, gt=0, le=100)
+    """KTO's lambda_U, the weight of an undesirable sample's loss."""
+    reward_baseline_momentum: float = Field(default=0.9, ge=0, lt=1)
+    """The running mean reward ungrouped samples are compared with: baseline <- momentum *
+    baseline + (1 - momentum) * the step's mean reward (0: the step's mean alone)."""
+    sft_weight: float = Field(default=1.0, ge=0, le=100)
+    """`auto`: weight of the SFT term (corrections) in a mixed step; 0 leaves them out."""
+    dpo_weight: float = Field(default=1.0, ge=0, le=100)
+    """`auto`: weight of the DPO term (preference pairs)."""
+    pg_weight: float = Field(default=1.0, ge=0, le=100)
+    """`auto`: weight of the policy-gradient term (grouped samples, and ungrouped ones under `pg`)."""
+    kto_weight: float = Field(default=1.0, ge=0, le=100)
+    """`auto`, `kto`: weight of the KTO term."""
+
+    @model_validator(mode="after")
+    def _some_term_trains(self) -> "LearningPolicy":
+        if self.algorithm == "auto" and not (self.sft_weight or self.dpo_weight or self.pg_weight or self.kto_weight):
+            raise ValueError("algorithm 'auto' needs at least one of sft_weight, dpo_weight, pg_weight, kto_weight > 0")
+        if self.algorithm == "kto" and not self.kto_weight:
+            raise ValueError("algorithm 'kto' needs kto_weight > 0")
+        return self
 
 
 class Tenant(BaseModel):

@@ -4,6 +4,7 @@
     clora tenant create acme          # prints the API key once
     clora tenant create acme --adapter ./my-lora   # starts from a PEFT LoRA adapter (it becomes v1)
     clora tenant list | rotate-key | revoke-key
+    clora tenant policy acme --reward-spec '{"keys": {"thumbs": {"type": "bool", "sources": ["user"]}}}'
     clora webhook | ingest-worker     # single services, for running them apart
     clora bench experiments           # N RL experiments: one after another vs at once
 
@@ -20,9 +21,11 @@ import secrets
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from clora.infra.settings import ConsoleSettings
@@ -150,7 +153,7 @@ def _control(method: str, path: str, body: dict | None = None) -> dict:
             message = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = r.text
-        console.print(f"[red]error:[/] {message}")
+        console.print(f"[red]error:[/] {escape(message)}")   # a message may quote a pattern: [a-z]
         raise typer.Exit(2)
     return r.json()
 
@@ -192,6 +195,61 @@ def tenant_promote(tenant_id: str, version: int):
     """Make any recorded version live (a newer one after a rollback, say); serving swaps at once."""
     live = _control("POST", f"/tenants/{tenant_id}/versions/{version}/promote")["live"]
     console.print(f"{tenant_id}: v{live} is live")
+
+
+@tenant_app.command("policy")
+def tenant_policy(tenant_id: str,
+                  reward_spec: str = typer.Option(None, "--reward-spec", help="Set the reward spec: JSON, "
+                                                  "@file.json, or 'none' to train on every score as is "
+                                                  "(docs/events.md)"),
+                  as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
+    """Show a tenant's learning policy and the feedback its reward spec left untrained, or set
+    its reward spec: the control API validates it (an error names the wrong field) and the
+    ingest workers apply it within seconds."""
+    if reward_spec is not None:
+        policy = _control("PATCH", f"/tenants/{tenant_id}/policy", {"reward_spec": _reward_spec_arg(reward_spec)})
+        untrained = None
+    else:
+        tenant = _control("GET", f"/tenants/{tenant_id}")
+        policy, untrained = tenant["policy"], tenant["untrained_feedback"]
+    if as_json:
+        print(json.dumps({"policy": policy, "untrained_feedback": untrained}))
+        return
+    console.print(", ".join(f"{k}={v}" for k, v in policy.items() if k != "reward_spec"))
+    spec = policy.get("reward_spec")
+    if spec is None:
+        console.print("reward spec: none (every score trains as its own reward, whatever its key and source)")
+    else:
+        table = Table("key", "type", "range", "invert", "weight", "sources", title="reward spec")
+        for key, rule in spec["keys"].items():
+            span = "0/1" if rule["type"] == "bool" else f"{rule['lo']:g} – {rule['hi']:g}"
+            table.add_row(key, rule["type"], span, "yes" if rule["invert"] else "", f"{rule['weight']:g}",
+                          ", ".join(rule["sources"]))
+        console.print(table)
+    if untrained:
+        console.print("untrained feedback: " + ", ".join(f"{why} {n}" for why, n in sorted(untrained.items())))
+
+
+def _reward_spec_arg(value: str) -> dict | None:
+    """`--reward-spec`: 'none' (no spec), JSON, or @file holding JSON. Exits 2 saying what is wrong."""
+    if value.strip().lower() in ("none", "null"):
+        return None
+    text = value
+    if value.startswith("@"):
+        try:
+            text = Path(value[1:]).read_text()
+        except OSError as e:
+            console.print(f"[red]error:[/] --reward-spec: cannot read {value[1:]} ({e})")
+            raise typer.Exit(2) from e
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        console.print(f"[red]error:[/] --reward-spec is not JSON: {e}")
+        raise typer.Exit(2) from e
+    if not isinstance(spec, dict):
+        console.print("[red]error:[/] --reward-spec must be a JSON object: {\"keys\": {...}}")
+        raise typer.Exit(2)
+    return spec
 
 
 def _num(x: float | None) -> str:
@@ -282,7 +340,8 @@ def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Pri
 
 @app.command("demo")
 def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo, start to final table"),
-         eval_size: int = typer.Option(20, help="Held-out problems per tenant for the base/final scores"),
+         eval_size: int = typer.Option(20, help="Held-out problems per tenant in each held-out set (same-template "
+                                       "and unseen phrasings) for the base/final scores"),
          log_level: str = "WARNING"):
     """The platform teaching three tenants three skills, live, ending with base vs final scores."""
     from clora.infra.demo import main as run_demo
@@ -307,6 +366,8 @@ def bench_experiments(
         models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
         training_mode: str = typer.Option("serial", help="Learner training mode: serial or fused"),
         step_timeout: float = typer.Option(900.0, help="Longest wait of one train or sync phase (s)"),
+        eval_size: int = typer.Option(10, help="Held-out problems in each held-out set (same-template and unseen "
+                                      "phrasings) scored for the base model and each final version; 0: none"),
         out: str = typer.Option("bench-results/experiments.json", help="JSON output (the plot goes next to it)"),
         keep: bool = typer.Option(False, help="Keep the platforms' data folders (logs, adapters)"),
         init_adapter: str = typer.Option(None, "--init-adapter", help="A PEFT LoRA adapter folder every "
@@ -325,7 +386,7 @@ def bench_experiments(
             difficulty=None if difficulty == "mixed" else _choice("--difficulty", difficulty, ("easy", "medium", "hard")),
             learning_rate=learning_rate, model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
-            step_timeout_s=step_timeout, out=out, keep=keep, init_adapter=init_adapter)
+            step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

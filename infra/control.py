@@ -6,7 +6,8 @@ Every `/api` route needs `Authorization: Bearer <admin token>` (CLORA_ADMIN_TOKE
 token `clora up` generates into `<data_dir>/admin_token`). Tenant API keys never open it.
 The console is static HTML/JS/CSS shipped in the package (no CDN) that calls this API.
 
-Routes: tenants (list, create — key shown once —, detail, policy, pause/resume), keys
+Routes: tenants (list, create — key shown once —, detail with the feedback its reward spec
+left untrained, policy, pause/resume), keys
 (create, rotate, revoke), adapter versions (lineage, promote, roll back), buffers (depth,
 recent examples), recent feedback, DLQ (view, replay one), metrics history.
 """
@@ -134,7 +135,9 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     def get_tenant(tenant_id: str):
         t = tenant_or_404(tenant_id)
         return {**summary(t), "policy": t.policy.model_dump(), "signed_feedback": bool(t.signing_secret),
-                "keys": [k.model_dump() for k in registry.list_keys(t.id)]}
+                "keys": [k.model_dump() for k in registry.list_keys(t.id)],
+                # scores stored but not trained on, by reason: the policy's reward_spec refused them
+                "untrained_feedback": buffers.untrained_feedback(t.id)}
 
     @api.patch("/tenants/{tenant_id}/policy", dependencies=[Depends(admin)])
     def update_policy(tenant_id: str, changes: dict[str, Any]):

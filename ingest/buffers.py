@@ -10,7 +10,9 @@ Cluster keeps a tenant on one slot and every script below stays single-slot:
     clora:t:{T}:buf:{kind}      zset  example id -> seq       insertion order, for eviction/sampling
     clora:t:{T}:ex:{kind}       hash  example id -> JSON
     clora:t:{T}:held:{kind}     zset/hash (held:..:ex) the same for held-out examples
-    clora:t:{T}:stats           hash  added / evicted / duplicates counters
+    clora:t:{T}:stats           hash  added / evicted / duplicates counters, and
+                                      'untrained_feedback:<reason>': scores stored but not
+                                      trained on (the tenant's reward spec refused them)
     clora:t:{T}:rewards         hash  per adapter version that served them ('base' for none):
                                       '<v>:n', '<v>:sum', '<v>:sq' of the RL episodes' rewards
     clora:t:{T}:episodes        zset  episode id -> time      episodes already tallied (bounded window)
@@ -73,7 +75,8 @@ def _parked_bodies(flat: list[bytes]) -> list[bytes]:
 #       hashes that guards g >= 1 refer to (KEYS[18 + g]).
 # ARGV: now, capacity, eviction, dedup_window, n_events, then per event:
 #       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[17 + g]),
-#       recent_json ('' for none), n_examples, then n_examples x
+#       recent_json ('' for none), untrained ('' or the reason its score trains nothing: counted
+#       in stats as 'untrained_feedback:<reason>' when the event is fresh), n_examples, then n_examples x
 #       (kind 0..2, id, heldout 0/1, json, tally: '' or '<version>|<reward>|<episode>' for an RL
 #       sample, the episode '' when it has none)
 # Each RL sample stored for the first time adds its reward to its serving version's tally (the
@@ -106,7 +109,7 @@ local a = 6
 for e = 1, n_events do
   starts[e] = a
   if ARGV[a + 1] == '0' then unguarded[#unguarded + 1] = ARGV[a] end
-  a = a + 4 + 5 * tonumber(ARGV[a + 3])
+  a = a + 5 + 5 * tonumber(ARGV[a + 4])
 end
 sliced(unguarded, 1, function(i, j)
   local scores = redis.call('ZMSCORE', KEYS[1], unpack(unguarded, i, j))
@@ -114,11 +117,11 @@ sliced(unguarded, 1, function(i, j)
 end)
 
 -- 2. fresh events and their candidate examples, in order
-local results, recents, new_seen, cands, by_slot = {}, {}, {}, {}, {}
+local results, recents, new_seen, cands, by_slot, untrained = {}, {}, {}, {}, {}, {}
 local dups = 0
 for e = 1, n_events do
   a = starts[e]
-  local eid, guard, recent, n = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], tonumber(ARGV[a + 3])
+  local eid, guard, recent, why, n = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4])
   local fresh
   if guard == 0 then
     fresh = not known[eid]
@@ -132,8 +135,9 @@ for e = 1, n_events do
   end
   if fresh then
     if recent ~= '' then recents[#recents + 1] = recent end
+    if why ~= '' then untrained[why] = (untrained[why] or 0) + 1 end
     for i = 0, n - 1 do
-      local b = a + 4 + 5 * i
+      local b = a + 5 + 5 * i
       local slot = 4 + tonumber(ARGV[b]) * 4 + (ARGV[b + 2] == '1' and 2 or 0)   -- KEYS index of buf; ex is next
       cands[#cands + 1] = {slot, ARGV[b + 1], ARGV[b + 3], ARGV[b + 4]}
       local ids = by_slot[slot]
@@ -237,6 +241,7 @@ end
 if added > 0 then redis.call('HINCRBY', KEYS[2], 'added', added) end
 if evicted > 0 then redis.call('HINCRBY', KEYS[2], 'evicted', evicted) end
 if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
+for why, n in pairs(untrained) do redis.call('HINCRBY', KEYS[2], 'untrained_feedback:' .. why, n) end
 return table.concat(results)
 """ % (RECENT_FEEDBACK - 1, RECENT_FEEDBACK - 1)
 
@@ -294,6 +299,9 @@ class PendingWrite:
     """JSON summary for the tenant's recent-feedback list ('' for none)."""
     parked_for: str | None = None
     """The interaction id whose parked feedback this was (guards on its removal)."""
+    untrained: str = ""
+    """Why the event's score trains nothing ('' when it trains or has none): counted once, in
+    the tenant's stats, when the event is stored (`ReplayBuffer.untrained_feedback`)."""
 
 
 @dataclass(frozen=True)
@@ -444,7 +452,7 @@ class ReplayBuffer:
                     guards[item.parked_for] = len(guards) + 1
                     keys.append(tkey(tenant, "pending", item.parked_for))
                 guard = guards[item.parked_for]
-            args += [item.event_id, guard, item.recent, len(item.examples)]
+            args += [item.event_id, guard, item.recent, item.untrained, len(item.examples)]
             for ex in item.examples:
                 held = "1" if is_heldout(holdout_key(ex), self.policy.holdout_fraction) else "0"
                 args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json(), _tally(ex)]
@@ -460,6 +468,11 @@ class ReplayBuffer:
 
     def stats(self, tenant: str) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.r.hgetall(tkey(tenant, "stats")).items()}
+
+    def untrained_feedback(self, tenant: str) -> dict[str, int]:
+        """Scores stored but not trained on, by reason (`PendingWrite.untrained`)."""
+        prefix = "untrained_feedback:"
+        return {k[len(prefix):]: n for k, n in self.stats(tenant).items() if k.startswith(prefix)}
 
     def version_rewards(self, tenant: str) -> dict[int | None, RewardTally]:
         """Per adapter version (None: the base model), the rewards of the RL episodes it served

@@ -5,6 +5,8 @@
     clora_buffer_depth{tenant, kind}             examples in a tenant's replay buffer
     clora_consumer_lag{topic, partition}         high-water mark minus committed offset
     clora_dlq_total                              records sent to clora.dlq
+    clora_feedback_untrained_total{reason}       scores stored but not trained on (reward spec):
+                                                 unknown_key | untrusted_source | out_of_range
     clora_webhook_requests_total{status}         webhook answers by status code
 """
 
@@ -20,6 +22,8 @@ EVENT_RATE = Gauge("clora_ingest_events_per_second", "Events processed per secon
 BUFFER_DEPTH = Gauge("clora_buffer_depth", "Examples in a tenant's replay buffer", ["tenant", "kind"])
 CONSUMER_LAG = Gauge("clora_consumer_lag", "High-water mark minus committed offset", ["topic", "partition"])
 DLQ = Counter("clora_dlq", "Records sent to the dead-letter topic")
+UNTRAINED_FEEDBACK = Counter("clora_feedback_untrained", "Scores stored but not trained on: the tenant's reward "
+                             "spec does not take them", ["reason"])
 WEBHOOK = Counter("clora_webhook_requests", "Webhook answers", ["status"])
 WEBHOOK_EVENTS = Counter("clora_webhook_events_accepted", "Feedback records acknowledged by the broker")
 

@@ -310,6 +310,10 @@ class RLSample(_Example):
     episode_id: str | None = None
     """The episode this turn belongs to; the reward tally counts an episode once (None: the
     sample counts alone, as samples stored before episodes were recorded do)."""
+    weight: float = Field(default=1.0, gt=0)
+    """How much this sample counts in training, relative to others: its feedback key's weight in
+    the tenant's reward spec (`clora.reward_spec`), 1.0 without a spec. A thumbs-up key of
+    weight 0.5 makes a sample half as loud as one of weight 1."""
 
 
 Example = Annotated[SFTExample | PreferencePair | RLSample, Field(discriminator="kind")]

@@ -32,11 +32,12 @@ from pydantic import ValidationError
 from pydantic_core import to_json
 
 from clora.procs import Heartbeat
-from clora.registry import Registry, RegistryError
+from clora.registry import LearningPolicy, Registry, RegistryError
+from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
 from clora.ingest.buffers import BufferPolicy, ParkResult, PendingWrite, ReplayBuffer
-from clora.ingest.joiner import build_examples
+from clora.ingest.joiner import build_examples, untrained_reason
 from clora.ingest.producer import EventProducer
 from clora.ingest.reports import record_dead_letters
 from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 FAULT_EXIT_CODE = 75
 """Exit code of the injected crash between storing a batch and committing it (`crash_after_store_file`)."""
+POLICY_CACHE_S = 5.0
+"""How long a worker keeps a tenant's learning policy: an edit (buffer capacity, reward spec)
+applies to what it stores within this many seconds."""
 
 
 @dataclass
@@ -55,6 +59,14 @@ class _Batch:
     interactions: list[InteractionEvent] = field(default_factory=list)
     feedback: list[FeedbackEvent] = field(default_factory=list)
     dead: list[DeadLetter] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _CachedPolicy:
+    """A tenant's learning policy as the registry had it (None: no such tenant), until `expires`."""
+
+    policy: LearningPolicy | None
+    expires: float
 
 
 def parse(record) -> InteractionEvent | FeedbackEvent | DeadLetter:
@@ -93,7 +105,7 @@ class IngestWorker:
         self.client_id = client_id
         self.rate = metrics.RateMeter()
         self._dlq: EventProducer | None = None
-        self._capacity_cache: dict[str, tuple[float, int]] = {}
+        self._policies: dict[str, _CachedPolicy] = {}
         self.processed = 0
         self.heartbeat = heartbeat or Heartbeat(None)
 
@@ -229,13 +241,13 @@ class IngestWorker:
             for body in parked:
                 fb = FeedbackEvent.model_validate_json(body)
                 # no recent-list entry: it was listed when it was parked
-                writes[ix.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), "",
-                                                      parked_for=ix.interaction_id))
+                writes[ix.tenant].append(self._pending(ix, fb, "", parked_for=ix.interaction_id))
         if writes:
             batch = self.buffers.batch()
             for tenant, items in writes.items():
                 batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
-            batch.execute()
+            flags = [stored for per_tenant in batch.execute() for stored in per_tenant]
+            _count_untrained([item for items in writes.values() for item in items], flags)
 
     def _store_feedback(self, feedback: list[FeedbackEvent]) -> None:
         todo = feedback
@@ -256,7 +268,7 @@ class IngestWorker:
             if ix is None:
                 parked.append(fb)
                 continue
-            writes[fb.tenant].append(PendingWrite(fb.event_id, build_examples(ix, fb), _recent(fb)))
+            writes[fb.tenant].append(self._pending(ix, fb, _recent(fb)))
         batch = self.buffers.batch()
         for fb in parked:
             batch.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
@@ -266,6 +278,7 @@ class IngestWorker:
         results = batch.execute()
         park_results: list[ParkResult] = results[:len(parked)]
         add_results = [stored for flags in results[len(parked):] for stored in flags]
+        _count_untrained([item for items in writes.values() for item in items], add_results)
         retry = [fb for fb, res in zip(parked, park_results) if res == ParkResult.INTERACTION_STORED]
         stored = sum(add_results)
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "stored").inc(stored)
@@ -274,17 +287,44 @@ class IngestWorker:
             len(add_results) - stored + park_results.count(ParkResult.DUPLICATE))
         return retry
 
-    def _capacity(self, tenant: str) -> int:
-        """The tenant's buffer capacity (its policy, else the default), cached for 5 s."""
-        hit = self._capacity_cache.get(tenant)
-        if hit and hit[0] > time.monotonic():
-            return hit[1]
+    def _pending(self, ix: InteractionEvent, fb: FeedbackEvent, recent: str,
+                 parked_for: str | None = None) -> PendingWrite:
+        """The write of `fb` joined with `ix` under the tenant's reward spec."""
+        spec = self._reward_spec(fb.tenant)
+        return PendingWrite(fb.event_id, build_examples(ix, fb, spec), recent, parked_for=parked_for,
+                            untrained=untrained_reason(fb, spec) or "")
+
+    def _policy(self, tenant: str) -> LearningPolicy | None:
+        """The tenant's learning policy (None: not in the registry), cached `POLICY_CACHE_S`."""
+        now = time.monotonic()
+        hit = self._policies.get(tenant)
+        if hit is not None and hit.expires > now:
+            return hit.policy
         try:
-            cap = self.registry.get_tenant(tenant).policy.buffer_capacity or self.settings.buffer_capacity
+            policy = self.registry.get_tenant(tenant).policy
         except RegistryError:
-            cap = self.settings.buffer_capacity
-        self._capacity_cache[tenant] = (time.monotonic() + 5.0, cap)
-        return cap
+            policy = None
+        if len(self._policies) > 10_000:
+            self._policies.clear()
+        self._policies[tenant] = _CachedPolicy(policy, now + POLICY_CACHE_S)
+        return policy
+
+    def _capacity(self, tenant: str) -> int:
+        """The tenant's buffer capacity (its policy, else the default)."""
+        policy = self._policy(tenant)
+        return (policy.buffer_capacity if policy is not None else None) or self.settings.buffer_capacity
+
+    def _reward_spec(self, tenant: str) -> RewardSpec | None:
+        """The tenant's reward spec (None: none, or no such tenant: every score trains as is)."""
+        policy = self._policy(tenant)
+        return policy.reward_spec if policy is not None else None
+
+
+def _count_untrained(items: list[PendingWrite], stored: list[int]) -> None:
+    """Count in Prometheus the scores of the events just stored (flag 1) that train nothing."""
+    for item, flag in zip(items, stored, strict=True):
+        if flag and item.untrained:
+            metrics.UNTRAINED_FEEDBACK.labels(item.untrained).inc()
 
 
 def _recent(fb: FeedbackEvent) -> str:

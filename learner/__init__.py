@@ -22,7 +22,8 @@
 | `peft_io`       | adapters on disk in PEFT format |
 | `lora`          | `LoraSpec`, `LoraLayout`, `LoraModel`: LoRA on the frozen base, one flat buffer per adapter |
 | `optim`         | AdamW over one tenant's flat state buffer |
-| `losses`        | SFT, DPO and RL losses as pure functions of log-probabilities |
+| `losses`        | SFT, DPO, RL (grouped and baseline) and KTO losses as pure functions of log-probabilities |
+| `mixed`         | `StepPlan`: a mixed step's (`auto`, `kto`) examples split by loss term, with advantages |
 | `batches`       | `ChatEncoder`, `TokenBatch`: examples to padded token batches; RL turns packed |
 | `base_model`    | the frozen base model: prepared once, loaded; the tiny test model |
 | `chat_template` | the tool-aware chat template the model is trained and served with |

@@ -65,6 +65,10 @@ class AdapterState:
     feedback_window: tuple[float, float] | None = None
     """(first, last) feedback time of the examples trained on since the last publish: the
     next version's `feedback_window`. None when nothing was trained on since."""
+    reward_baseline: float | None = None
+    """Running mean of the rewards of the tenant's ungrouped scored samples (a thumbs up/down on
+    one response): their policy-gradient baseline (`losses.running_baseline`). None until the
+    first such sample trained."""
 
     @property
     def master(self) -> torch.Tensor:  # (P,)

@@ -56,7 +56,7 @@ from clora.learner.fused_batch import FusedBinding, FusedRows, pack_blocks, plan
 from clora.learner.fused_slots import FusedSlots
 from clora.learner.losses import behaviour_or_current, clipped_surrogate, dpo_pair_losses, sample_advantages
 from clora.learner.optim import adam_step
-from clora.learner.trainer import Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
+from clora.learner.trainer import MIXED, Example, StepResult, Trainer, TrainingPolicy, plain_lm_head, target_logprobs
 
 DEFAULT_MAX_CHUNK_TOKENS = {"cpu": 1024, "cuda": 16384}
 """Padded tokens per fused forward, by device type. On CPU the cost per token is flat from a
@@ -199,6 +199,10 @@ class FusedTrainer:
                 raise ValueError(f"fused train_step: tenant {w.tenant!r} got no examples")
         if not work:
             raise ValueError("fused train_step got no tenants")
+        for w in work:
+            if w.policy.algorithm in MIXED:
+                raise ValueError(f"fused train_step: tenant {w.tenant!r} trains with {w.policy.algorithm!r}, a mixed "
+                                 "step the fused trainer does not run yet (use training_mode 'serial')")
         t0 = time.perf_counter()
         slots, swap_s = self.slots.assign([w.tenant for w in work], self.store)
         tenants = []

@@ -32,7 +32,7 @@ from clora.learner.publish import PublishedWeights, Publisher
 from clora.learner.sampling import BufferLike
 from clora.learner.settings import LearnerSettings
 from clora.learner.tenant import LearnerTenant
-from clora.learner.trainer import EXAMPLE_KIND, Example, Trainer, TrainingPolicy
+from clora.learner.trainer import EXAMPLE_KINDS, Example, Trainer, TrainingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,11 @@ class PublishGate:
         """Gate the tenant's current adapter against the live one; publish when it passes.
         Checkpoints first, so a resumed learner never re-trains what a version already holds."""
         self.lifecycle.sync(tenant)
-        kind = EXAMPLE_KIND[policy.algorithm]
-        held = [e for e in self.buffer.heldout(tenant, kind, self.s.eval_max_examples) if e.kind == kind]
+        held: list[Example] = []
+        for kind in EXAMPLE_KINDS[policy.algorithm]:  # a mixed step's tenant: the first kind held out
+            held = [e for e in self.buffer.heldout(tenant, kind, self.s.eval_max_examples) if e.kind == kind]
+            if held:
+                break
         scores: dict[str, float] = {}
         try:
             live = self.publisher.live_weights(tenant)

@@ -10,6 +10,13 @@ Conventions: `logprobs` (B, T) are log p(token t | tokens < t) for the target to
   each group of rollouts of one prompt (each episode counted once); each token's ratio pi/pi_behaviour (behaviour =
   the serving-time logprobs) is clipped PPO-style; per-sample token mean, then the mean over
   samples (a row may hold several samples: an episode's turns, packed).
+- `baseline_advantages`, `running_baseline`: policy gradient without groups. A sample served
+  alone (a thumbs up/down on one response) has no siblings to compare with; its advantage is
+  its reward minus the tenant's running mean reward (the batch's mean while there is none),
+  and it trains with the same clipped surrogate as a grouped one.
+- `kto_losses`: Ethayarajh et al. 2024 (KTO), as TRL's `KTOTrainer` computes it: desirable and
+  undesirable single responses, each against a reference point z0, the policy's KL from the
+  reference estimated on mismatched prompt/completion pairs (`mismatched_pairs`).
 """
 
 from __future__ import annotations
@@ -86,9 +93,16 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str], episode_ids: l
 
 def sample_advantages(samples: Sequence) -> torch.Tensor:
     """`group_advantages` of RL samples (reward, group id, episode id; a sample that names no
-    episode is its own)."""
+    episode is its own), each scaled by its sample's `weight` (its feedback key's weight in the
+    tenant's reward spec; 1 without one)."""
     return group_advantages(torch.tensor([s.reward for s in samples]), [s.group_id for s in samples],
-                            [s.episode_id or s.example_id for s in samples])
+                            [s.episode_id or s.example_id for s in samples]) * spec_weights(samples)
+
+
+def spec_weights(samples: Sequence) -> torch.Tensor:
+    """(B,) each RL sample's `weight` (the reward spec's weight of its feedback key), 1 for any
+    other example. Example: RL samples weighing [1, 0.5] and an SFT example -> [1, 0.5, 1]."""
+    return torch.tensor([float(s.weight) if s.kind == "rl" else 1.0 for s in samples])
 
 
 def has_reward_spread(rewards: Sequence[float], group_ids: Sequence[str]) -> bool:
@@ -143,3 +157,71 @@ def policy_gradient_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tenso
     if samples < 1:
         raise ValueError(f"policy_gradient_loss needs at least one sample, got {samples}")
     return clipped_surrogate(logprobs, behaviour_logprobs, advantages, weights, clip_eps).sum() / samples
+
+
+def is_ungrouped(sample) -> bool:
+    """Whether an RL sample was scored alone: its group id is its own interaction id (what the
+    joiner gives a response served without a group), so no sibling shares its prompt."""
+    return sample.group_id == sample.interaction_id
+
+
+def episode_weights(episode_ids: Sequence[str]) -> torch.Tensor:
+    """(B,) 1 / (samples of the sample's episode): an episode's turns share its reward and count
+    once. Example: [e1, e1, e2] -> [0.5, 0.5, 1]."""
+    counts = Counter(episode_ids)
+    return torch.tensor([1.0 / counts[e] for e in episode_ids])
+
+
+def baseline_advantages(rewards: torch.Tensor, baseline: float | None,
+                        weights: torch.Tensor | None = None) -> torch.Tensor:
+    """r_i - b: `baseline` b (the tenant's running mean reward), or, when None (no history),
+    the batch's mean reward with each sample weighing `weights` (None: 1 each). Not divided by a
+    standard deviation: a batch of ungrouped thumbs may hold one reward value only.
+    rewards (B,) -> (B,). Example: [1, 0, 1], baseline 0.25 -> [0.75, -0.25, 0.75]; baseline
+    None -> [1/3, -2/3, 1/3]."""
+    r = rewards.float()
+    if baseline is None:
+        w = torch.ones_like(r) if weights is None else weights.float()
+        baseline = float((w * r).sum() / w.sum()) if len(r) else 0.0
+    return r - baseline
+
+
+def running_baseline(baseline: float | None, rewards: torch.Tensor, momentum: float,
+                     weights: torch.Tensor | None = None) -> float | None:
+    """The baseline after a batch: an exponential running mean, b <- m * b + (1 - m) * mean(r)
+    (mean weighted by `weights`), starting at the first batch's mean. None stays None for an
+    empty batch. Example: b 0.5, rewards [1, 1], m 0.9 -> 0.55."""
+    if len(rewards) == 0:
+        return baseline
+    w = torch.ones_like(rewards, dtype=torch.float32) if weights is None else weights.float()
+    mean = float((w * rewards.float()).sum() / w.sum())
+    return mean if baseline is None else momentum * baseline + (1 - momentum) * mean
+
+
+def mismatched_pairs(n: int) -> list[int]:
+    """For KTO's KL estimate: row i pairs prompt i with completion `out[i]`, the previous row's
+    (TRL's `_get_kl_dataset` rotates a batch's completions by one). Example: 3 -> [2, 0, 1];
+    1 -> [0] (a lone sample is paired with itself: the estimate is then on matched text)."""
+    return [(i - 1) % n for i in range(n)]
+
+
+def kto_kl(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0: mean over the mismatched pairs of log pi(y_j|x_i) -
+    log pi_ref(y_j|x_i), detached (no gradient flows through it), clamped at 0. (M,), (M,) -> ()."""
+    return (policy_kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+
+
+def kto_losses(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor,
+               beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> torch.Tensor:
+    """KTO's loss per sample (eq. 7 of the paper; TRL's `kto_loss` with loss_type "kto").
+
+    Semantics, with r_i = policy_logps_i - ref_logps_i (sequence logprobs, summed over the
+    completion) and z0 = `kl`:
+        desirable i:    lambda_D * (1 - sigmoid(beta * (r_i - z0)))
+        undesirable i:  lambda_U * (1 - sigmoid(beta * (z0 - r_i)))
+    policy_logps, ref_logps (B,), desirable (B,) bool, kl () -> (B,). The step's KTO term is
+    their mean (TRL: the mean over the concatenated desirable and undesirable losses)."""
+    r = policy_logps - ref_logps
+    good = 1 - torch.sigmoid(beta * (r - kl))
+    bad = 1 - torch.sigmoid(beta * (kl - r))
+    return torch.where(desirable, desirable_weight * good, undesirable_weight * bad)

@@ -45,11 +45,15 @@ from clora.learner.sampling import BufferLike, Draw, Sampler
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 from clora.learner.tenant import LearnerTenant
-from clora.learner.trainer import EXAMPLE_KIND, StepResult, Trainer, TrainerConfig, TrainingPolicy
+from clora.learner.trainer import EXAMPLE_KINDS, MIXED, StepResult, Trainer, TrainerConfig, TrainingPolicy
 
 log = logging.getLogger(__name__)
 
 __all__ = ["BufferLike", "Learner", "main"]
+
+MIXED_POLICY_FIELDS = {"unpaired", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "desirable_reward",
+                       "reward_baseline_momentum", "sft_weight", "dpo_weight", "pg_weight", "kto_weight"}
+"""The registry policy's fields the mixed steps (`auto`, `kto`) read, passed on as they are."""
 
 
 class Learner:
@@ -88,7 +92,8 @@ class Learner:
     def policy(self, tenant) -> TrainingPolicy:
         """The training policy of registry tenant `tenant`, with the learner's loss settings."""
         p = tenant.policy
-        return TrainingPolicy(algorithm=p.algorithm, learning_rate=p.learning_rate, batch_size=p.batch_size,
+        return TrainingPolicy(**p.model_dump(include=MIXED_POLICY_FIELDS), algorithm=p.algorithm,
+                              learning_rate=p.learning_rate, batch_size=p.batch_size,
                               dpo_beta=self.s.dpo_beta, rl_clip_eps=self.s.rl_clip_eps,
                               eval_tolerance=getattr(p, "eval_tolerance", 0.02),
                               fresh_fraction=getattr(p, "fresh_fraction", None))
@@ -108,21 +113,33 @@ class Learner:
             return None
         try:
             draw = self._draw(tid, registered[tid])
-            if draw is None:
-                return None
-            result = self.trainer.train_step(tid, draw.examples, draw.policy,
-                                             prefetch=self.scheduler.peek_next(views, after=tid))
+        except Exception as e:  # noqa: BLE001 - one tenant's failure must not stop every tenant's training
+            self.failures.failed([tid], e)
+            return None
+        if draw is None:
+            return None
+        return tid if self._train_alone(draw, prefetch=self.scheduler.peek_next(views, after=tid)) else None
+
+    def _train_alone(self, draw: Draw, prefetch: str | None = None) -> bool:
+        """One serial step for `draw`'s tenant (prefetching `prefetch`'s state meanwhile), then its
+        bookkeeping. False when either failed (the tenant backs off; the others train on)."""
+        if self.fused is not None and (slot := self.fused.slots.slot_of(draw.tenant)) is not None:
+            self.fused.slots.evict(slot, self.store)  # its fused copy goes back: the store's is the only one
+        try:
+            result = self.trainer.train_step(draw.tenant, draw.examples, draw.policy, prefetch=prefetch)
             self.metrics.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - self._exposed_seen))
             self._exposed_seen = self.store.stats.exposed_s
             self._after_step(draw, result)
         except Exception as e:  # noqa: BLE001 - one tenant's failure must not stop every tenant's training
-            self.failures.failed([tid], e)
-            return None
-        return tid
+            self.failures.failed([draw.tenant], e)
+            return False
+        return True
 
     def tick_fused(self) -> tuple[str, ...]:
         """Fused mode: up to `fused_max_tenants` tenants, one fused step. Returns those trained
-        (a tenant whose bookkeeping after the step failed included)."""
+        (a tenant whose bookkeeping after the step failed included). A tenant whose step mixes
+        objectives (`auto`, `kto`), which the fused trainer does not run, takes a serial step
+        after the fused one."""
         if self.fused is None:
             raise RuntimeError("tick_fused needs training_mode='fused'")
         views, registered = self._open_tick()
@@ -133,13 +150,16 @@ class Learner:
                     draws.append(draw)
             except Exception as e:  # noqa: BLE001 - as in `tick`
                 self.failures.failed([tid], e)
+        alone = [d for d in draws if d.policy.algorithm in MIXED]
+        draws = [d for d in draws if d.policy.algorithm not in MIXED]
+        trained_alone = tuple(d.tenant for d in alone if self._train_alone(d))
         if not draws:
-            return ()
+            return trained_alone
         try:
             step = self.fused.train_step([TenantWork(d.tenant, d.examples, d.policy) for d in draws])
         except Exception as e:  # noqa: BLE001 - the fused step's tenants wait; the others train on
             self.failures.failed([d.tenant for d in draws], e)
-            return ()
+            return trained_alone
         self.metrics.swap_exposed.inc(step.swap_s)
         results = {r.tenant: r for r in step.results}
         for draw in draws:
@@ -147,7 +167,7 @@ class Learner:
                 self._after_step(draw, results[draw.tenant])
             except Exception as e:  # noqa: BLE001 - as in `tick`
                 self.failures.failed([draw.tenant], e)
-        return tuple(r.tenant for r in step.results)
+        return trained_alone + tuple(r.tenant for r in step.results)
 
     def _open_tick(self) -> tuple[list[TenantView], dict]:
         """What every tick starts with: the tenants' views and registry tenants (by id), after
@@ -166,7 +186,8 @@ class Learner:
             if not self.lifecycle.admit(t):
                 continue
             p = t.policy
-            waiting = self.buffer.newer_than(t.id, EXAMPLE_KIND[p.algorithm], self.store.peek(t.id).cursor)
+            cursor = self.store.peek(t.id).cursor
+            waiting = sum(self.buffer.newer_than(t.id, kind, cursor) for kind in EXAMPLE_KINDS[p.algorithm])
             paused = p.paused or self.tenants[t.id].waits(time.monotonic())
             views.append(TenantView(t.id, paused, p.weight, p.priority, p.min_new_examples, waiting))
             registered[t.id] = t

@@ -12,6 +12,11 @@ the scheduler picks who trains every eligible on-policy tenant's batch is checke
 (`skip_flat`): a flat batch costs a buffer read, not a step, so it must not wait in the queue
 behind other tenants' steps while its tenant's next rollouts wait for it.
 
+A mixed step (`auto`: corrections, pairs and scored samples together) takes the oldest
+`batch_size` examples past the cursor over all its kinds, in the buffer's sequence order (one
+counter per tenant across kinds), each trained once: `fresh_across`. Replaying older examples
+into a mixed step is not done yet.
+
 Also owns `BufferLike`, the replay buffer as the learner reads it.
 """
 
@@ -30,7 +35,7 @@ from clora.learner.metrics import LearnerMetrics
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 from clora.learner.tenant import LearnerTenant
-from clora.learner.trainer import EXAMPLE_KIND, Example, TrainingPolicy
+from clora.learner.trainer import EXAMPLE_KINDS, Example, TrainingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +87,12 @@ class Sampler:
 
     def draw(self, tid: str, policy: TrainingPolicy) -> Draw:
         """The batch of `tid`'s next step (see the module docstring)."""
-        kind = EXAMPLE_KIND[policy.algorithm]
+        kinds = EXAMPLE_KINDS[policy.algorithm]
         st = self.store.peek(tid)
+        if len(kinds) > 1:
+            batch = fresh_across(self.buffer, tid, kinds, policy.batch_size, st.cursor)
+            return Draw(tid, policy, batch, list(batch.examples))
+        kind = kinds[0]
         on_policy = self.on_policy(policy)
         seed = None
         if not on_policy:
@@ -125,3 +134,33 @@ class Sampler:
         self.metrics.flat_batches.labels(draw.tenant).inc()
         log.info("skipped %s: no group among its %d samples has a reward spread", draw.tenant, len(draw.examples))
         return True
+
+
+@dataclass(frozen=True)
+class MixedSample:
+    """A mixed step's batch (`fresh_across`), read as a buffer's sample is. Example: cursor 8,
+    n 4, SFT seqs 9, 12 and RL seqs 10, 11, 13 waiting -> `examples` the SFT 9, 12 and RL
+    10, 11, `cursor` 12, `fresh` 4."""
+
+    examples: list
+    cursor: int
+    fresh: int
+
+
+def fresh_across(buffer: BufferLike, tenant: str, kinds: tuple[str, ...], n: int, cursor: int) -> MixedSample:
+    """The oldest `n` examples past `cursor` over `kinds` (fewer when fewer wait), and the cursor
+    after them. Each kind's oldest `n` are read; the cut is the largest sequence number c with
+    at most `n` examples of all kinds in (cursor, c], found by bisection on `newer_than`
+    counts, so no example is skipped: whatever is not taken now is past the new cursor."""
+    batches = {k: buffer.sample(tenant, k, n, cursor=cursor, fresh_fraction=1.0, fill=False) for k in kinds}
+    waiting = {k: buffer.newer_than(tenant, k, cursor) for k in kinds}
+
+    def taken(c: int) -> int:  # examples of every kind with a sequence number in (cursor, c]
+        return sum(waiting[k] - buffer.newer_than(tenant, k, c) for k in kinds)
+
+    lo, hi = cursor, max(b.cursor for b in batches.values())
+    while lo < hi:  # the largest c in [cursor, hi] with taken(c) <= n
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if taken(mid) <= n else (lo, mid - 1)
+    examples = [e for k in kinds for e in batches[k].examples[:waiting[k] - buffer.newer_than(tenant, k, lo)]]
+    return MixedSample(examples, lo, len(examples))

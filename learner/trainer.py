@@ -5,6 +5,10 @@ shared by every tenant on this learner) and `Trainer`. A step: make the tenant r
 (`AdapterStore.activate`), run the tenant's algorithm over micro-batches accumulating into
 the tenant's grad row, then one AdamW update with the tenant's own step count and RNG.
 Nothing here depends on which tenant trained before: that is what makes swaps exact.
+
+`sft`, `dpo` and `rl` steps train one kind of example with one loss. `auto` and `kto` steps
+are mixed (`clora.learner.mixed`): each example trains under its own term (SFT, DPO, grouped
+or ungrouped policy gradient, KTO), each term weighted by the tenant's policy.
 """
 
 from __future__ import annotations
@@ -21,14 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from clora.ingest.schemas import PreferencePair, RLSample, SFTExample
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder, TokenBatch, micro_batches
-from clora.learner.losses import (behaviour_or_current, dpo_pair_losses, policy_gradient_loss, sample_advantages,
+from clora.learner.batches import Sequence as TokenSequence
+from clora.learner.losses import (behaviour_or_current, clipped_surrogate, dpo_pair_losses, is_ungrouped, kto_kl,
+                                  kto_losses, mismatched_pairs, policy_gradient_loss, sample_advantages,
                                   sample_weights, sequence_logprob, sft_loss, token_logprobs)
 from clora.learner.lora import LoraModel
+from clora.learner.mixed import StepPlan, plan_step
 from clora.learner.optim import AdamConfig, adam_step
 
-Algorithm = Literal["sft", "dpo", "rl"]
-EXAMPLE_KIND: dict[str, str] = {"sft": "sft", "dpo": "preference", "rl": "rl"}
-"""Which replay-buffer kind each algorithm trains on."""
+Algorithm = Literal["sft", "dpo", "rl", "kto", "auto"]
+EXAMPLE_KINDS: dict[str, tuple[str, ...]] = {"sft": ("sft",), "dpo": ("preference",), "rl": ("rl",),
+                                             "kto": ("rl",), "auto": ("sft", "preference", "rl")}
+"""Which replay-buffer kinds each algorithm trains on (and, in this order, is gated on)."""
+MIXED = ("kto", "auto")
+"""Algorithms whose steps are mixed (`clora.learner.mixed`)."""
 
 
 class TrainingPolicy(BaseModel):
@@ -43,6 +53,17 @@ class TrainingPolicy(BaseModel):
     """DPO temperature: how far the policy may move from the reference (base model)."""
     rl_clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """PPO/GRPO clip range of the importance ratio pi / pi_behaviour."""
+    unpaired: Literal["pg", "kto"] = "pg"
+    """`auto`: how an ungrouped scored sample trains (see `clora.registry.LearningPolicy`)."""
+    kto_beta: float = Field(default=0.1, gt=0, le=100)
+    kto_desirable_weight: float = Field(default=1.0, gt=0, le=100)
+    kto_undesirable_weight: float = Field(default=1.0, gt=0, le=100)
+    desirable_reward: float = Field(default=0.5, ge=-1e6, le=1e6)
+    reward_baseline_momentum: float = Field(default=0.9, ge=0, lt=1)
+    sft_weight: float = Field(default=1.0, ge=0, le=100)
+    dpo_weight: float = Field(default=1.0, ge=0, le=100)
+    pg_weight: float = Field(default=1.0, ge=0, le=100)
+    kto_weight: float = Field(default=1.0, ge=0, le=100)
     eval_tolerance: float = Field(default=0.02, ge=0, le=1)
     """Publish when new eval loss <= live eval loss * (1 + tolerance)."""
     fresh_fraction: float | None = Field(default=None, ge=0, le=1)
@@ -184,6 +205,66 @@ class Trainer:
         return dpo_pair_losses(sequence_logprob(self._logprobs(chosen), chosen.loss_mask),
                                sequence_logprob(self._logprobs(rejected), rejected.loss_mask), ref_c, ref_r, beta)
 
+    def _kto_losses(self, samples: Sequence[RLSample], policy: TrainingPolicy) -> torch.Tensor:
+        """(B,) KTO loss of each scored sample (`losses.kto_losses`): desirable when its reward is
+        at least `desirable_reward`. The reference is the base model with the adapter disabled,
+        as for DPO, and as TRL's KTOTrainer takes it for a PEFT model without a separate
+        reference: the tenant's adapter is all that trains, so the base is the policy it started
+        from, and it costs no second copy of the model. The reference point z0 is estimated as
+        TRL does, on the same B completions paired with the previous sample's prompt
+        (`mismatched_pairs`), within this micro-batch (TRL: within the device batch)."""
+        enc, dev = self.encoder, self.device
+        seqs = [enc.encode_rl(s) for s in samples]
+        matched = enc.collate([TokenSequence(q.prompt_ids, q.completion_ids) for q in seqs]).to(dev)
+        kl_batch = enc.collate([TokenSequence(seqs[i].prompt_ids, seqs[j].completion_ids)
+                                for i, j in enumerate(mismatched_pairs(len(seqs)))]).to(dev)
+        with torch.no_grad():
+            policy_kl = sequence_logprob(self._logprobs(kl_batch), kl_batch.loss_mask)
+            with self.model.adapter_disabled():
+                ref = sequence_logprob(self._logprobs(matched), matched.loss_mask)
+                ref_kl = sequence_logprob(self._logprobs(kl_batch), kl_batch.loss_mask)
+        desirable = torch.tensor([s.reward >= policy.desirable_reward for s in samples], device=ref.device)
+        return kto_losses(sequence_logprob(self._logprobs(matched), matched.loss_mask), ref, desirable,
+                          kto_kl(policy_kl, ref_kl), policy.kto_beta, policy.kto_desirable_weight,
+                          policy.kto_undesirable_weight)
+
+    def _mixed_loss(self, examples: Sequence[Example], idx: list[int], plan: StepPlan,
+                    policy: TrainingPolicy) -> tuple[torch.Tensor, int, int]:
+        """Micro-batch `idx` of a mixed step's share of the step objective (`clora.learner.mixed`):
+        each term's loss on its examples here, times its weight and its share of the step's
+        examples of that term. The target tokens and rows run, as `_loss`."""
+        enc, dev = self.encoder, self.device
+        by_term: dict[str, list[int]] = {}
+        for i in idx:
+            by_term.setdefault(plan.terms[i], []).append(i)
+        loss, tokens, rows = torch.zeros((), device=dev), 0, 0
+        for term, members in by_term.items():
+            weight = getattr(policy, f"{term}_weight")
+            if weight == 0:
+                continue
+            part = [examples[i] for i in members]
+            share = weight * len(part) / plan.count(term)
+            if term == "sft":
+                b = enc.sft(part).to(dev)
+                loss = loss + share * sft_loss(self._logprobs(b), b.loss_mask)
+                tokens, rows = tokens + b.num_target_tokens, rows + len(part)
+            elif term == "dpo":
+                chosen, rejected = (x.to(dev) for x in enc.preference(part))
+                loss = loss + share * self._dpo_pair_losses(chosen, rejected, policy.dpo_beta).mean()
+                tokens, rows = tokens + chosen.num_target_tokens + rejected.num_target_tokens, rows + 2 * len(part)
+            elif term == "pg":  # the clipped surrogate `policy_gradient_loss` of the `rl` step
+                b = enc.rl(part, plan.advantages[members]).to(dev)
+                lp = self._logprobs(b)
+                surrogate = clipped_surrogate(lp, behaviour_or_current(b.behaviour_logprobs, lp), b.advantages,
+                                              b.weights, policy.rl_clip_eps)
+                loss = loss + share * surrogate.sum() / b.samples
+                tokens, rows = tokens + b.num_target_tokens, rows + b.input_ids.shape[0]
+            else:
+                loss = loss + share * self._kto_losses(part, policy).mean()
+                n = sum(len(enc.encode_rl(s).completion_ids) for s in part)
+                tokens, rows = tokens + n, rows + 3 * len(part)
+        return loss, tokens, rows
+
     # --- training -----------------------------------------------------------------------------
 
     def train_step(self, tenant: str, examples: Sequence[Example], policy: TrainingPolicy,
@@ -199,20 +280,29 @@ class Trainer:
         st = self.store.peek(tenant)
         gen = st.generator()
         self.model.bank.dropout_generator = gen
-        advantages = None
+        advantages, plan = None, None
         if policy.algorithm == "rl":
             advantages = sample_advantages(examples)
+        elif policy.algorithm in MIXED:
+            plan = plan_step(examples, policy.algorithm, policy.unpaired, st.reward_baseline,
+                             policy.reward_baseline_momentum)
         self.model.train()
         total, tokens, rows, mb = 0.0, 0, 0, self.cfg.micro_batch_size
         try:
             for idx in micro_batches(self.encoder, list(examples), mb):  # RL: an episode's turns together
                 chunk = [examples[i] for i in idx]
-                adv = advantages[idx] if advantages is not None else None
-                loss, n, r = self._loss(chunk, policy, adv)
-                (loss * (len(chunk) / len(examples))).backward()
+                if plan is not None:  # already the micro-batch's share of the step objective
+                    loss, n, r = self._mixed_loss(examples, idx, plan, policy)
+                    scaled = loss
+                else:
+                    adv = advantages[idx] if advantages is not None else None
+                    loss, n, r = self._loss(chunk, policy, adv)
+                    scaled = loss * (len(chunk) / len(examples))
+                if scaled.requires_grad:  # a mixed micro-batch whose terms all weigh 0 has no graph
+                    scaled.backward()
                 slot.fold_grads()
                 st.micro_steps += 1
-                total += float(loss.detach()) * len(chunk) / len(examples)
+                total += float(scaled.detach())
                 tokens += n
                 rows += r
             st.step += 1
@@ -223,6 +313,8 @@ class Trainer:
             self.model.bank.dropout_generator = None
         st.micro_steps = 0
         st.examples_seen += len(examples)
+        if plan is not None:
+            st.reward_baseline = plan.baseline
         st.save_generator(gen)
         return StepResult(tenant, st.step, total, norm, len(examples), tokens, time.perf_counter() - t0, rows)
 
@@ -242,11 +334,21 @@ class Trainer:
     def eval_examples(examples: Sequence[Example], policy: TrainingPolicy) -> tuple[list[Example], TrainingPolicy]:
         """What a held-out loss scores, and with which loss: SFT and DPO examples as given; RL
         the completions that beat their group's mean reward (all of them when no group has a
-        spread), as SFT examples (their NLL)."""
-        if policy.algorithm != "rl":
+        spread), as SFT examples (their NLL). Under `auto` and `kto` (held-out examples of one
+        kind, `EXAMPLE_KINDS`' first with any): SFT examples and pairs under their own loss;
+        scored samples the desirable ones (reward >= `desirable_reward`; under `auto` a grouped
+        one that beat its group's mean), as SFT examples."""
+        if policy.algorithm in ("sft", "dpo"):
             return list(examples), policy
+        if policy.algorithm in MIXED and examples and examples[0].kind != "rl":
+            return list(examples), policy.model_copy(update={"algorithm": "sft" if examples[0].kind == "sft" else "dpo"})
         adv = sample_advantages(examples)
-        good = [s for s, a in zip(examples, adv) if a > 0] or list(examples)
+        if policy.algorithm in MIXED:
+            good = [s for s, a in zip(examples, adv) if (a > 0 if policy.algorithm == "auto" and not is_ungrouped(s)
+                                                          else s.reward >= policy.desirable_reward)]
+        else:
+            good = [s for s, a in zip(examples, adv) if a > 0]
+        good = good or list(examples)
         return ([SFTExample(example_id=s.example_id, tenant=s.tenant, interaction_id=s.interaction_id,
                             feedback_event_id=s.feedback_event_id, time=s.time, messages=s.messages, target=s.response)
                  for s in good], policy.model_copy(update={"algorithm": "sft"}))

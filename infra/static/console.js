@@ -235,12 +235,15 @@ async function renderTenant(id, first) {
       el("td", {}, f.correction ?? ""))))));
   document.getElementById("buffers-slot").replaceChildren(
     el("p", { id: "buffer-depth" }, `sft ${buffers.depth.sft} · preference ${buffers.depth.preference} · rl ${buffers.depth.rl}`),
-    el("p", { class: "muted" }, `added ${buffers.stats.added ?? 0} · duplicates ${buffers.stats.duplicates ?? 0} · evicted ${buffers.stats.evicted ?? 0}`));
+    el("p", { class: "muted" }, `added ${buffers.stats.added ?? 0} · duplicates ${buffers.stats.duplicates ?? 0} · evicted ${buffers.stats.evicted ?? 0}`),
+    // scores the reward spec refused: stored and listed above, not trained on
+    el("p", { class: "muted", id: "untrained-feedback" }, "not trained (reward spec): " +
+      (Object.entries(t.untrained_feedback).map(([why, n]) => `${why.replaceAll("_", " ")} ${n}`).join(" · ") || "none")));
 }
 
 function policyForm(id, p) {
   const field = (name, value, attrs = {}) => el("label", {}, name, el("input", { name, value, ...attrs }));
-  const algo = el("select", { name: "algorithm" }, ["sft", "dpo", "rl"].map(a => el("option", { value: a, selected: a === p.algorithm }, a)));
+  const algo = el("select", { name: "algorithm" }, ["sft", "dpo", "rl", "kto", "auto"].map(a => el("option", { value: a, selected: a === p.algorithm }, a)));
   const msg = el("span", { id: "policy-msg" });
   const form = el("form", { class: "inline", id: "policy-form", onsubmit: async ev => {
     ev.preventDefault();
@@ -248,6 +251,9 @@ function policyForm(id, p) {
     const changes = { algorithm: f.algorithm.value };
     for (const k of ["learning_rate", "batch_size", "weight", "priority", "min_new_examples"]) changes[k] = Number(f[k].value);
     changes.reward_guard = f.reward_guard.checked;
+    const spec = f.reward_spec.value.trim();   // empty: no spec, every score trains as is
+    try { changes.reward_spec = spec ? JSON.parse(spec) : null; }
+    catch (e) { msg.textContent = "reward spec is not JSON: " + e.message; msg.className = "error"; return; }
     try { await api(`/tenants/${encodeURIComponent(id)}/policy`, { method: "PATCH", body: JSON.stringify(changes) }); msg.textContent = "saved"; msg.className = ""; }
     catch (e) { msg.textContent = e.message; msg.className = "error"; }
   } },
@@ -257,6 +263,9 @@ function policyForm(id, p) {
     field("min_new_examples", p.min_new_examples, { type: "number" }),
     el("label", { title: "roll the live version back when its served reward drops measurably below the version it replaced" },
       "reward guard", el("input", { name: "reward_guard", type: "checkbox", checked: p.reward_guard })),
+    el("label", { title: 'which feedback keys train, e.g. {"keys": {"thumbs": {"type": "bool", "sources": ["user"]}}} (docs/events.md); empty: every score trains as its own reward' },
+      "reward spec (JSON)", el("textarea", { name: "reward_spec", rows: 4, cols: 48, spellcheck: "false" },
+        p.reward_spec ? JSON.stringify(p.reward_spec) : "")),
     el("button", { type: "submit" }, "Save"), msg);
   return form;
 }

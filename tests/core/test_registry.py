@@ -7,6 +7,7 @@ import pytest
 
 from clora.registry import (ADAPTER_FILES, InvalidTenantField, LearningPolicy, RegistryError, TenantNotFound,
                             hash_key)
+from clora.reward_spec import Reward, Untrained
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +146,14 @@ def test_claim_response_records_each_choice_and_how_many_there_were(registry, re
                      MultiChoiceResponse(f"{tenant_id}-old", tenant_id, None), None]
     assert found[1].describe_ids() == ", ".join(three)
     assert found[2].describe_ids() == f"{tenant_id}-old-0, {tenant_id}-old-1, ..."
+
+
+def test_a_reward_spec_is_stored_with_the_policy_and_a_bad_one_changes_nothing(registry, tenant_id):
+    registry.create_tenant(tenant_id)
+    spec = {"keys": {"thumbs": {"type": "bool", "weight": 2.0, "sources": ["user"]}}}
+    assert registry.update_policy(tenant_id, reward_spec=spec).reward_spec.keys["thumbs"].weight == 2.0
+    with pytest.raises(ValueError, match=r"reward_spec\.keys\.thumbs\.sources"):
+        registry.update_policy(tenant_id, reward_spec={"keys": {"thumbs": {"type": "bool", "sources": ["bot"]}}})
+    stored = registry.get_tenant(tenant_id).policy.reward_spec
+    assert stored.judge("thumbs", "user", 1) == Reward(1.0, 2.0)
+    assert stored.judge("thumbs", "judge", 1) == Untrained("untrusted_source")

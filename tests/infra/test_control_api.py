@@ -80,6 +80,50 @@ def test_policy_edits_are_validated(console, registry, tenant_id):
     assert registry.get_tenant(tenant_id).policy.paused
 
 
+STARS = {"type": "scale", "lo": 1, "hi": 5, "weight": 0.5, "sources": ["user", "operator"]}
+
+
+def test_the_reward_spec_is_edited_through_the_policy_and_shown_with_what_it_left_untrained(
+        console, registry, redis_client, tenant_id):
+    from clora.ingest.buffers import PendingWrite, ReplayBuffer
+
+    registry.create_tenant(tenant_id)
+    url = f"{console.url}/api/tenants/{tenant_id}"
+    assert httpx.get(url, headers=admin(console)).json()["untrained_feedback"] == {}
+    r = httpx.patch(url + "/policy", headers=admin(console), json={"reward_spec": {"keys": {"stars": STARS}}})
+    assert r.status_code == 200 and r.json()["reward_spec"]["keys"]["stars"]["weight"] == 0.5
+    assert registry.get_tenant(tenant_id).policy.reward_spec.keys["stars"].hi == 5
+    r = httpx.patch(url + "/policy", headers=admin(console), json={"learning_rate": 0.01})   # other edits keep it
+    assert r.status_code == 200 and r.json()["reward_spec"]["keys"]["stars"]["sources"] == ["user", "operator"]
+    ReplayBuffer(redis_client).add_many(tenant_id, [PendingWrite("fb1", [], "", untrained="unknown_key"),
+                                                    PendingWrite("fb2", [], "", untrained="unknown_key"),
+                                                    PendingWrite("fb3", [], "", untrained="out_of_range")], now=1.0)
+    detail = httpx.get(url, headers=admin(console)).json()
+    assert detail["untrained_feedback"] == {"unknown_key": 2, "out_of_range": 1}
+    assert detail["policy"]["reward_spec"] == {"keys": {"stars": {**STARS, "invert": False}}}
+    r = httpx.patch(url + "/policy", headers=admin(console), json={"reward_spec": None})
+    assert r.status_code == 200 and registry.get_tenant(tenant_id).policy.reward_spec is None
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"keys": {"stars": {**STARS, "type": "stars"}}}, "reward_spec.keys.stars.type"),
+    ({"keys": {"stars": {**STARS, "lo": 5, "hi": 1}}}, "reward_spec.keys.stars.hi"),
+    ({"keys": {"stars": {**STARS, "weight": 0}}}, "reward_spec.keys.stars.weight"),
+    ({"keys": {"stars": {**STARS, "sources": ["user", "robot"]}}}, "reward_spec.keys.stars.sources.1"),
+    ({"keys": {f"k{i}": STARS for i in range(33)}}, "reward_spec.keys"),
+    ({"keys": {"Stars!": STARS}}, "reward_spec.keys.Stars!.[key]"),
+    ({"stars": STARS}, "reward_spec.keys"),          # the keys go under "keys"
+    ("stars", "reward_spec"),
+])
+def test_a_bad_reward_spec_is_422_naming_the_field(console, registry, tenant_id, spec, field):
+    registry.create_tenant(tenant_id)
+    r = httpx.patch(f"{console.url}/api/tenants/{tenant_id}/policy", headers=admin(console),
+                    json={"reward_spec": spec, "learning_rate": 0.01})
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+    assert r.json()["error"]["message"].startswith(field + ": ")
+    assert registry.get_tenant(tenant_id).policy == LearningPolicy()   # nothing half-written
+
+
 def test_key_rotation_and_revocation(console, registry, tenant_id):
     _, first = registry.create_tenant(tenant_id)
     new = httpx.post(f"{console.url}/api/tenants/{tenant_id}/keys/rotate", headers=admin(console)).json()["api_key"]

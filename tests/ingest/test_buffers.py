@@ -228,3 +228,22 @@ def _ping(client) -> bool:
         return client.ping()
     except redis.ConnectionError:
         return False
+
+
+def test_untrained_feedback_is_counted_once_per_event_by_reason(redis_client, tenant_id):
+    buf = ReplayBuffer(redis_client)
+    now = time.time()
+    writes = [PendingWrite("fb1", [], '{"event_id": "fb1"}', untrained="unknown_key"),
+              PendingWrite("fb2", [sft(tenant_id, 2)], "", untrained="unknown_key"),   # its correction trains
+              PendingWrite("fb3", [], "", untrained="out_of_range"),
+              PendingWrite("fb4", [_rl(tenant_id, 4, 1.0, None)])]
+    assert buf.add_many(tenant_id, writes, now=now) == [1, 1, 1, 1]
+    assert buf.add_many(tenant_id, writes[:2], now=now) == [0, 0]             # redelivered: counted once
+    # parked feedback joined later is counted when its guard lets it through, once
+    buf.park_feedback(tenant_id, "fb5", "i5", "{}", now=now)
+    joined = PendingWrite("fb5", [], "", parked_for="i5", untrained="untrusted_source")
+    assert buf.add_many(tenant_id, [joined], now=now) == [1]
+    assert buf.add_many(tenant_id, [joined], now=now) == [0]
+    assert buf.untrained_feedback(tenant_id) == {"unknown_key": 2, "out_of_range": 1, "untrusted_source": 1}
+    assert buf.stats(tenant_id)["added"] == 2 and buf.depth(tenant_id, "rl") + buf.depth(tenant_id, "rl", heldout=True) == 1
+    assert [f["event_id"] for f in buf.recent_feedback(tenant_id)] == ["fb1"]   # stored and listed

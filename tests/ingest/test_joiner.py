@@ -1,12 +1,13 @@
 """The joiner (clora.ingest.joiner) builds the right training examples from an interaction and
-one feedback record, and refuses to join across tenants."""
+one feedback record under the tenant's reward spec, and refuses to join across tenants."""
 
 from __future__ import annotations
 
 import pytest
 
+from clora.reward_spec import RewardSpec
 from clora.ingest import schemas
-from clora.ingest.joiner import build_examples
+from clora.ingest.joiner import build_examples, untrained_reason
 
 
 def _ix(**kw) -> schemas.InteractionEvent:
@@ -51,3 +52,41 @@ def test_join_refuses_cross_tenant():
     with pytest.raises(ValueError, match="tenant"):
         build_examples(_ix(tenant="other"), _fb(score=1))
 
+
+
+SPEC = RewardSpec.model_validate({"keys": {
+    "thumbs": {"type": "bool", "invert": True, "sources": ["user"]},
+    "stars": {"type": "scale", "lo": 1, "hi": 5, "weight": 2.5, "sources": ["user", "operator"]}}})
+
+
+def test_the_reward_spec_maps_a_score_to_reward_and_weight():
+    (rl,) = build_examples(_ix(), _fb(key="stars", score=4, source="operator"), SPEC)
+    assert rl.reward == 0.75 and rl.weight == 2.5
+    (rl,) = build_examples(_ix(), _fb(key="thumbs", score=1, source="user"), SPEC)
+    assert rl.reward == 0.0 and rl.weight == 1.0          # inverted: a thumbs-up of "lower is better"
+    assert untrained_reason(_fb(key="stars", score=4, source="operator"), SPEC) is None
+
+
+@pytest.mark.parametrize("fb, reason", [
+    (dict(key="helpfulness", score=1.0), "unknown_key"),
+    (dict(score=1.0), "unknown_key"),                    # no key is "score", which this spec does not name
+    (dict(key="stars", score=3, source="judge"), "untrusted_source"),
+    (dict(key="stars", score=9), "out_of_range"),
+    (dict(key="thumbs", score=0.5), "out_of_range"),
+])
+def test_a_score_the_spec_does_not_take_trains_nothing(fb, reason):
+    event = _fb(**fb)
+    assert build_examples(_ix(), event, SPEC) == [] and untrained_reason(event, SPEC) == reason
+    assert [e.kind for e in build_examples(_ix(), event)] == ["rl"]     # without a spec it trains, as before
+
+
+def test_a_refused_score_keeps_its_correction():
+    event = _fb(key="helpfulness", score=0.0, correction={"role": "assistant", "content": "4"})
+    assert [e.kind for e in build_examples(_ix(), event, SPEC)] == ["sft", "preference"]
+    assert untrained_reason(event, SPEC) == "unknown_key"
+
+
+def test_without_a_spec_a_score_trains_as_is_with_weight_one():
+    (rl,) = build_examples(_ix(), _fb(key="arithmetic", score=-3.0, source="judge"))
+    assert rl.reward == -3.0 and rl.weight == 1.0
+    assert untrained_reason(_fb(comment="meh"), SPEC) is None            # no score: nothing to count

@@ -85,6 +85,51 @@ def test_batch_and_idempotent_retry(webhook, redis_client, ingest_worker, stack,
     assert depth(redis_client, tid, "rl") == 5
 
 
+def test_scores_the_reward_spec_does_not_take_are_stored_and_counted_not_trained(
+        stack, registry, redis_client, webhook, ingest_worker, tenant, wait_for):
+    from prometheus_client import REGISTRY
+
+    from clora.ingest.worker import POLICY_CACHE_S
+
+    tid, key = tenant
+    registry.update_policy(tid, reward_spec={"keys": {
+        "thumbs": {"type": "bool", "sources": ["user"]},
+        "stars": {"type": "scale", "lo": 1, "hi": 5, "weight": 0.5, "sources": ["user"]}}})
+    counted = lambda why: REGISTRY.get_sample_value("clora_feedback_untrained_total", {"reason": why}) or 0.0
+    before = {why: counted(why) for why in ("unknown_key", "untrusted_source", "out_of_range")}
+    iid = [f"{tid}-s{i}" for i in range(6)]
+    for i in iid:
+        serve_interaction(stack, registry, tid, i)
+    records = [{"interaction_id": iid[0], "key": "stars", "score": 4, "source": "user"},          # trains
+               {"interaction_id": iid[1], "key": "helpfulness", "score": 1, "source": "user"},    # unknown key
+               {"interaction_id": iid[2], "score": 1.0, "source": "environment"},                 # no key: "score"
+               {"interaction_id": iid[3], "key": "thumbs", "score": 1, "source": "judge"},        # untrusted
+               {"interaction_id": iid[4], "key": "stars", "score": 7, "source": "user"},          # out of range
+               {"interaction_id": iid[5], "key": "helpfulness", "score": 1, "source": "user",     # correction still
+                "correction": {"role": "assistant", "content": "4"}}]                             # trains
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(key), json={"records": records})
+    assert r.status_code == 202, r.text
+    buf = ReplayBuffer(redis_client)
+    wait_for(lambda: buf.untrained_feedback(tid) == {"unknown_key": 3, "untrusted_source": 1, "out_of_range": 1},
+             what="untrained feedback counted by reason")
+    wait_for(lambda: depth(redis_client, tid, "sft") == 1, what="the correction's sft example")
+    (rl,) = buf.latest(tid, "rl") + buf.heldout(tid, "rl")
+    assert (rl.interaction_id, rl.reward, rl.weight) == (iid[0], 0.75, 0.5)
+    assert sorted(f["interaction_id"] for f in buf.recent_feedback(tid)) == sorted(iid)   # every one is listed
+    assert counted("unknown_key") - before["unknown_key"] >= 3
+    assert counted("untrusted_source") > before["untrusted_source"] and counted("out_of_range") > before["out_of_range"]
+
+    # an edit of the spec applies within the worker's cache time
+    registry.update_policy(tid, reward_spec={"keys": {"helpfulness": {"type": "bool", "sources": ["user"]}}})
+    time.sleep(POLICY_CACHE_S + 0.5)
+    serve_interaction(stack, registry, tid, f"{tid}-s6")
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key),
+                   json={"interaction_id": f"{tid}-s6", "key": "helpfulness", "score": 1, "source": "user"})
+    assert r.status_code == 202
+    wait_for(lambda: depth(redis_client, tid, "rl") == 2, what="a score of the newly named key trained")
+    assert buf.untrained_feedback(tid)["unknown_key"] == 3
+
+
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer clk_nope_nope"}, {"X-API-Key": "garbage"}])
 def test_missing_or_bad_key_is_401(webhook, headers):
     r = httpx.post(f"{webhook.url}/v1/feedback", headers=headers, json={"interaction_id": "x", "score": 1})
