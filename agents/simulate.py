@@ -159,32 +159,65 @@ class OperatorSimulator:
         return results
 
 
+class ThumbsUser:
+    """A user who rates single replies with a thumbs up or down and nothing else: no
+    correction, no group, no episode reward. Up when the reply earns at least `bar` of the
+    environment's reward (default: every rule met), down otherwise, and a share `noise` of
+    the verdicts flipped, as real users misclick and disagree. Each verdict is seeded by
+    (seed, interaction id), so a resent step sends the same thumbs. Example: with `noise`
+    0.1, a reply that greets the customer by name gets `{"key": "thumbs", "score": 1.0,
+    "source": "user"}` nine times in ten."""
+
+    def __init__(self, *, key: str = "thumbs", noise: float = 0.1, bar: float = 1.0, seed: int = 0):
+        if not 0.0 <= noise <= 0.5:
+            raise ValueError(f"thumbs noise must be in [0, 0.5], got {noise}")
+        self.key, self.noise, self.bar, self.seed = key, noise, bar, seed
+
+    def thumbs(self, rollout: Rollout) -> list[FeedbackIn]:
+        """One thumbs record per turn of the episode (a single-turn task: one)."""
+        out = []
+        for iid in rollout.trace.interaction_ids:
+            up = rollout.reward >= self.bar
+            if random.Random(f"{self.seed}/{iid}").random() < self.noise:
+                up = not up
+            out.append(FeedbackIn(interaction_id=iid, event_id=f"th-{iid}", source="user",
+                                  score=1.0 if up else 0.0, key=self.key))
+        return out
+
+
 def _correction(interaction_id: str, fix: dict[str, Any]) -> FeedbackIn:
     return FeedbackIn(interaction_id=interaction_id, event_id=f"op-{interaction_id}", source="operator",
                       correction=Message.model_validate(fix), key="correction")
 
 
 class TenantTraffic:
-    """One tenant's simulated traffic: group rollouts on its environment, rewards as feedback."""
+    """One tenant's simulated traffic: group rollouts on its environment, rewards as feedback.
+    With a `user`, the user's thumbs replace the environment's rewards: the tenant then hears
+    only what production users say."""
 
     def __init__(self, tenant: str, agent: Agent, env: TaskEnv, feedback: FeedbackClient, *,
                  group_size: int = 4, prompts_per_step: int = 2, concurrency: int = 4,
-                 difficulty: Difficulty | None = None, seed: int = 0, operator: OperatorSimulator | None = None):
+                 difficulty: Difficulty | None = None, seed: int = 0, operator: OperatorSimulator | None = None,
+                 user: ThumbsUser | None = None):
         if group_size < 1 or prompts_per_step < 1 or concurrency < 1:
             raise ValueError(f"{tenant}: group_size ({group_size}), prompts_per_step ({prompts_per_step}) and "
                              f"concurrency ({concurrency}) must be >= 1")
+        if user is not None and group_size != 1:
+            raise ValueError(f"{tenant}: a user rates single replies; group_size must be 1, got {group_size}")
         self.tenant, self.agent, self.env, self.feedback = tenant, agent, env, feedback
         self.group_size, self.prompts_per_step, self.concurrency = group_size, prompts_per_step, concurrency
-        self.difficulty, self.seed, self.operator = difficulty, seed, operator
+        self.difficulty, self.seed, self.operator, self.user = difficulty, seed, operator, user
         self.steps_done = 0
 
     def _group(self, problem: Problem) -> list[Rollout] | str:
-        group_id = f"{self.tenant}-{uuid.uuid4().hex[:16]}"
+        # a user's traffic is single replies, as production's is: no group id, so each thumbed
+        # reply is scored alone (a group of one would have no sibling to be compared with)
+        group_id = None if self.user else f"{self.tenant}-{uuid.uuid4().hex[:16]}"
         try:
             traces = self.agent.run_group(list(problem.messages), self.group_size, group_id=group_id)
         except AgentError as e:
-            log.warning("tenant %s: rollout group %s failed: %s", self.tenant, group_id, e)
-            return f"group {group_id}: {e}"
+            log.warning("tenant %s: rollout group %s failed: %s", self.tenant, group_id or "(single reply)", e)
+            return f"group {group_id or '(single reply)'}: {e}"
         return [Rollout(problem, t, self.env.reward(problem, t.answer)) for t in traces]
 
     def problems_for(self, step: int) -> list[Problem]:
@@ -202,7 +235,8 @@ class TenantTraffic:
             # a following operator makes model calls of its own: review the rollouts concurrently
             reviews = list(pool.map(self.operator.review, rollouts)) if self.operator else []
         errors = tuple(res for res in results if isinstance(res, str))
-        rewards = [rec for r in rollouts for rec in reward_records(r, key=self.env.name)]
+        rewards = [rec for r in rollouts
+                   for rec in (self.user.thumbs(r) if self.user else reward_records(r, key=self.env.name))]
         corrections = [rec for review in reviews for rec in review]
         if rewards or corrections:
             self.feedback.send_batch(rewards + corrections)

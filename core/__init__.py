@@ -7,6 +7,7 @@ This package is the ground every part stands on; it imports nothing else of clor
 | `settings` | what the platform shares (data dir, Kafka and Redis URLs), `settings_config` every service's settings use |
 | `registry` | the control-plane registry in Redis: tenants, hashed keys, policies, adapter versions, the live one |
 | `reward_spec` | a tenant's reward spec: which feedback keys and sources train, and how each maps to a reward |
+| `freshness` | feedback -> served latency: a version's lineage (events first trained in it) and its summary |
 | `ids`      | tenant ids, event ids, the served name `tenant@vN` |
 | `procs`    | process helpers: open ports, free ports, health URLs, children that die with their parent |
 | `web`      | the HTTP front door the webhook, gateway and control API share: keys, body limits, the error envelope |

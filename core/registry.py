@@ -14,6 +14,11 @@ Keys (all under `clora:`):
                                        names one of them, `{response id}-{index}`
     clora:tenant:{id}:metrics          list of JSON points (step, loss, reward, eval) for the console
     clora:tenant:{id}:traffic:{minute} hash of the gateway's counters for one minute (TTL 2 days)
+    clora:tenant:{id}:alerts           list of JSON `TenantAlert`s, newest first (at most 100)
+    clora:tenant:{id}:lineage:{version} JSON of `VersionLineage`: the feedback events first trained
+                                       in the version (`clora.freshness`)
+    clora:tenant:{id}:first_served     hash version -> when the gateway first served it (HSETNX)
+    clora:tenant:{id}:freshness        hash version -> JSON of `FreshnessSummary`
 
 Every key built from a tenant id checks it first (`TenantNotFound` for an id no tenant can
 have): `acme:keys` must never reach the key of tenant `acme`'s keys.
@@ -34,11 +39,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from clora.freshness import FreshnessSummary, VersionLineage, percentile
 from clora.ids import RESERVED_TENANT_IDS, TENANT_ID_RE, choice_ids, validate_tenant_id
 from clora.reward_spec import RewardSpec
 
@@ -49,6 +55,15 @@ METRICS_HISTORY = 2000
 """Points of metrics history kept per tenant."""
 TRAFFIC_TTL_S = 2 * 86400
 """How long a minute of a tenant's serving traffic is kept."""
+ALERTS_KEPT = 100
+"""Alerts kept per tenant (the newest)."""
+DEFAULT_DRIFT_TOLERANCE = 3.0
+"""`LearningPolicy.drift_tolerance`'s default, nats per token. SmolLM2-135M with the demo's SFT
+settings (rank 8, lr 2e-3) drifts 0.34 / 0.86 / 1.13 after 6 / 12 / 24 steps of `support`
+corrections, 0.26 / 0.74 / 1.12 of `extract`, 0.84 / 1.67 / 1.95 of `calc` (which learns to
+answer everything with a tool call); trained to answer nothing, 1.99 after 3 steps and 7.48
+after 6 (ad hoc, 16 prompts, 2026-12). So the default lets every demo adapter through and
+stops a collapse; a tenant that must stay a general assistant sets it lower (~0.5)."""
 
 
 class RegistryError(Exception):
@@ -73,7 +88,10 @@ class LearningPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     paused: bool = False
-    algorithm: Literal["sft", "dpo", "rl", "kto", "auto"] = "sft"
+    paused_reason: str | None = Field(default=None, max_length=4000)
+    """Why a guard paused the tenant (the console shows it); cleared whenever it is not paused.
+    None while an operator's pause, or no pause, holds it."""
+    algorithm: Literal["sft", "dpo", "rl", "kto", "auto"] = "auto"
     """`sft`: corrections (NLL). `dpo`: preference pairs (correction vs the original answer).
     `rl`: scored samples, advantages normalised within each group of rollouts of one prompt (a
     sample scored alone gets none). `kto`: every scored sample is a desirable (reward >=
@@ -106,6 +124,27 @@ class LearningPolicy(BaseModel):
     reward_guard_min_samples: int = Field(default=12, ge=2, le=1_000_000)
     reward_guard_margin: float = Field(default=0.1, ge=0, le=1e6)
     """The smallest drop in mean reward that rolls a version back (rewards' own units)."""
+    drift_tolerance: float | None = Field(default=DEFAULT_DRIFT_TOLERANCE, ge=0, le=1000)
+    """The forgetting guard (`clora.learner.drift`): the publish gate refuses a candidate whose
+    mean per-token KL divergence from the base on the shipped general-purpose prompts exceeds
+    this many nats per token. None turns it off."""
+    hacking_guard: bool = True
+    """Pause the tenant and roll its live version back when its rewards held up or rose while
+    its served replies degenerated (`clora.learner.hacking_guard`): more empty replies or
+    unparseable tool calls, a length collapse or blow-up, fewer distinct answers."""
+    hacking_guard_min_replies: int = Field(default=20, ge=2, le=1_000_000)
+    """Served replies both the live version and its reference need before they are compared
+    (besides `reward_guard_min_samples` scored samples each)."""
+    hacking_guard_empty_rise: float = Field(default=0.2, gt=0, le=1)
+    """The rise in the share of empty replies that trips the guard (0.2: from 5% to 25%)."""
+    hacking_guard_bad_tool_call_rise: float = Field(default=0.2, gt=0, le=1)
+    """The rise in the share of replies with a tool call whose arguments do not parse."""
+    hacking_guard_length_factor: float = Field(default=10.0, gt=1, le=1e6)
+    """The guard trips when the mean reply length falls below the reference's / this, or rises
+    above the reference's x this. Generous: a version that learns to answer with a tool call
+    instead of a paragraph legitimately shortens its replies several-fold."""
+    hacking_guard_diversity_fraction: float = Field(default=0.5, gt=0, le=1)
+    """The guard trips when distinct replies per reply fall below this share of the reference's."""
     reward_spec: RewardSpec | None = None
     """Which feedback keys train, how each value maps to a reward in [0, 1], its weight and the
     sources it is trusted from (`clora.reward_spec`). None: every score trains as its own reward,
@@ -134,6 +173,12 @@ class LearningPolicy(BaseModel):
     """`auto`: weight of the policy-gradient term (grouped samples, and ungrouped ones under `pg`)."""
     kto_weight: float = Field(default=1.0, ge=0, le=100)
     """`auto`, `kto`: weight of the KTO term."""
+
+    @model_validator(mode="after")
+    def _reason_only_while_paused(self) -> "LearningPolicy":
+        if not self.paused:
+            self.paused_reason = None
+        return self
 
     @model_validator(mode="after")
     def _some_term_trains(self) -> "LearningPolicy":
@@ -192,9 +237,10 @@ class AdapterVersion(BaseModel):
     """(first, last) time of the feedback this version was trained on."""
     imported_from: str | None = None
     """The folder this version was imported from (a tenant's `init_adapter`), None when trained."""
-    rolled_back: dict[str, float | int | str | None] | None = None
-    """Set when the reward guard rolled this version back: when, to which version, and the
-    rewards it compared (`GuardVerdict.summary`)."""
+    rolled_back: dict[str, Any] | None = None
+    """Set when a guard rolled this version back: when, to which version, which `guard`
+    (`reward` or `reward_hacking`), and the numbers it compared (`GuardVerdict.summary`,
+    `HackingVerdict.summary`)."""
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -202,6 +248,24 @@ class AdapterVersion(BaseModel):
         if self.parent_version is not None and self.parent_version >= self.version:
             raise ValueError("parent_version must be older than version")
         return self
+
+
+class TenantAlert(BaseModel):
+    """What a guard did to a tenant that an operator must see. Example: `TenantAlert(time=1767225600.0,
+    kind="reward_hacking", version=5, rolled_back_to=3, detail="v5 was rolled back to v3: mean reward
+    0.900 vs v3's 0.400 while its replies degenerated: empty replies 0.05 -> 0.70 ...", facts={...})`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    time: float = Field(default_factory=time.time)
+    kind: Literal["reward_hacking"]
+    """`reward_hacking`: the tenant was paused and rolled back (`clora.learner.hacking_guard`)."""
+    detail: str
+    version: int | None = None
+    """The version the alert is about."""
+    rolled_back_to: int | None = None
+    facts: dict = Field(default_factory=dict)
+    """The numbers behind it (the guard's summary)."""
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -380,9 +444,16 @@ class Registry:
         return meta
 
     def delete_adapter_versions(self, tenant_id: str, versions: list[int]) -> None:
-        """Forget old versions (the learner's retention): nothing resolves them from then on."""
+        """Forget old versions (the learner's retention): nothing resolves them from then on.
+        Their lineage, first-served time and freshness summary go with them."""
         if versions:
-            self.r.hdel(self._tkey(tenant_id) + ":versions", *(str(v) for v in versions))
+            names = [str(v) for v in versions]
+            pipe = self.r.pipeline()
+            pipe.hdel(self._tkey(tenant_id) + ":versions", *names)
+            for suffix in ("first_served", "freshness"):
+                pipe.hdel(f"{self._tkey(tenant_id)}:{suffix}", *names)
+            pipe.delete(*(self._lineage_key(tenant_id, v) for v in versions))
+            pipe.execute()
 
     def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]:
         raw = self.r.hgetall(self._tkey(tenant_id) + ":versions")
@@ -404,6 +475,66 @@ class Registry:
     def live_version(self, tenant_id: str) -> int | None:
         raw = self.r.get(self._tkey(tenant_id) + ":live")
         return int(raw) if raw is not None else None
+
+    # --- freshness: feedback -> served (clora.freshness) ------------------------------------
+
+    def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage) -> None:
+        """Store the feedback events first trained in `version` (the learner, before the
+        version is recorded and made live, so that whoever serves it first finds them)."""
+        self.r.set(self._lineage_key(tenant_id, version), lineage.model_dump_json())
+
+    def lineage(self, tenant_id: str, version: int) -> VersionLineage:
+        """The events first trained in `version`; empty for a version that trained on nothing new
+        (imported, or published before lineages were recorded)."""
+        raw = self.r.get(self._lineage_key(tenant_id, version))
+        return VersionLineage() if raw is None else VersionLineage.model_validate_json(raw)
+
+    def claim_first_served(self, tenant_id: str, version: int, at: float) -> bool:
+        """Record that `version` first served a completion at `at`, unless someone did before:
+        True for the one claimer (atomic, HSETNX), who then measures the version's freshness."""
+        return bool(self.r.hsetnx(self._tkey(tenant_id) + ":first_served", str(version), repr(at)))
+
+    def first_served_at(self, tenant_id: str, version: int) -> float | None:
+        raw = self.r.hget(self._tkey(tenant_id) + ":first_served", str(version))
+        return float(raw) if raw is not None else None
+
+    def record_freshness(self, tenant_id: str, version: int, summary: FreshnessSummary) -> None:
+        self.r.hset(self._tkey(tenant_id) + ":freshness", str(version), summary.model_dump_json())
+
+    def freshness(self, tenant_id: str) -> dict[int, FreshnessSummary]:
+        """Each served version's freshness summary, by version."""
+        raw = {int(v): s for v, s in self.r.hgetall(self._tkey(tenant_id) + ":freshness").items()}
+        return {v: FreshnessSummary.model_validate_json(raw[v]) for v in sorted(raw)}
+
+    def event_freshness(self, tenant_id: str) -> dict[int, list[float]]:
+        """Seconds from each lineage event's 202 to its version's first completion, for every
+        version served so far, by version (one round trip for the lineages)."""
+        served = {int(v): float(t) for v, t in self.r.hgetall(self._tkey(tenant_id) + ":first_served").items()}
+        versions = sorted(served)
+        raws = self.r.mget([self._lineage_key(tenant_id, v) for v in versions]) if versions else []
+        return {v: VersionLineage.model_validate_json(raw).freshness(served[v])
+                for v, raw in zip(versions, raws) if raw is not None}
+
+    def freshness_p50(self, tenant_id: str) -> float | None:
+        """The tenant's median feedback -> served seconds over every event of every served
+        version (event-weighted: a version with 40 events counts 40 times as much as one with
+        1); None before any measured event."""
+        seconds = [s for per_version in self.event_freshness(tenant_id).values() for s in per_version]
+        return percentile(seconds, 50) if seconds else None
+
+    # --- alerts (written by the learner's guards, read by the console) -----------------------
+
+    def record_alert(self, tenant_id: str, alert: TenantAlert) -> None:
+        """Put `alert` at the head of the tenant's alerts (one transaction), keeping `ALERTS_KEPT`."""
+        pipe = self.r.pipeline()
+        pipe.lpush(self._tkey(tenant_id) + ":alerts", alert.model_dump_json())
+        pipe.ltrim(self._tkey(tenant_id) + ":alerts", 0, ALERTS_KEPT - 1)
+        pipe.execute()
+
+    def alerts(self, tenant_id: str, n: int = 20) -> list[TenantAlert]:
+        """The tenant's latest `n` alerts, newest first."""
+        raws = self.r.lrange(self._tkey(tenant_id) + ":alerts", 0, n - 1)
+        return [TenantAlert.model_validate_json(raw) for raw in raws]
 
     # --- metrics history (written by the learner, read by the console) ----------------------
 
@@ -467,6 +598,10 @@ class Registry:
             raise TenantNotFound(f"no tenant {str(tenant_id)[:100]!r}: a tenant id is 1-63 chars of a-z, 0-9, "
                                  "'_' or '-'")
         return f"{PREFIX}tenant:{tenant_id}"
+
+    @classmethod
+    def _lineage_key(cls, tenant_id: str, version: int) -> str:
+        return f"{cls._tkey(tenant_id)}:lineage:{int(version)}"
 
 
 async def fetch_interaction_owners(client, interaction_ids: list[str]) -> list[str | None]:

@@ -11,4 +11,6 @@ no part imports it.
 | `control`     | the control-plane API and the tenant admin console (`static/`) |
 | `demo`        | `clora demo`: three tenants learning from simulated traffic |
 | `experiments` | `clora bench experiments`: concurrent RL experiments against sequential ones |
+| `freshness_bench` | `clora bench freshness`: feedback -> served latency under a steady stream |
+| `bench_platform` | fresh platforms for those benchmarks (`PlatformLauncher`) and where they answer |
 """

@@ -7,6 +7,7 @@
     clora tenant policy acme --reward-spec '{"keys": {"thumbs": {"type": "bool", "sources": ["user"]}}}'
     clora webhook | ingest-worker     # single services, for running them apart
     clora bench experiments           # N RL experiments: one after another vs at once
+    clora bench freshness             # feedback -> served latency under a steady stream, p50 / p99
 
 Every command reads the same settings (`CLORA_*` environment variables, see
 infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those.
@@ -342,12 +343,20 @@ def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Pri
 def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo, start to final table"),
          eval_size: int = typer.Option(20, help="Held-out problems per tenant in each held-out set (same-template "
                                        "and unseen phrasings) for the base/final scores"),
+         tenants: str = typer.Option("", help="Comma-separated demo tenants to run (default: all of calc, "
+                                     "support, extract, greet)"),
          log_level: str = "WARNING"):
-    """The platform teaching three tenants three skills, live, ending with base vs final scores."""
-    from clora.infra.demo import main as run_demo
+    """The platform teaching four tenants four skills, three from operator corrections and one from a user's
+    thumbs alone, live, ending with base vs final scores."""
+    from clora.infra.demo import main as run_demo, pick_tenants
 
     _logging(log_level)
-    run_demo(minutes, eval_size)
+    try:
+        pick_tenants(tenants)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_demo(minutes, eval_size, tenants or None)
 
 
 @bench_app.command("experiments")
@@ -387,6 +396,38 @@ def bench_experiments(
             learning_rate=learning_rate, model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
             step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
+@bench_app.command("freshness")
+def bench_freshness(
+        tenants: int = typer.Option(3, help="Tenants, each with its own stream"),
+        minutes: float = typer.Option(5.0, help="How long the feedback stream runs (a drain follows)"),
+        requests_per_s: float = typer.Option(0.5, help="Chat completions per second per tenant"),
+        feedback_per_s: float = typer.Option(0.1, help="Corrections per second per tenant (on those completions)"),
+        batch_size: int = typer.Option(8, help="Learner batch size (SFT)"),
+        learning_rate: float = typer.Option(2e-3, help="Learner learning rate"),
+        max_tokens: int = typer.Option(16, help="max_tokens per completion"),
+        drain_s: float = typer.Option(120.0, help="Longest wait after the stream for the last events to be served"),
+        model: str = typer.Option("smollm2", help="smollm2 or a local HF model directory"),
+        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
+        out: str = typer.Option("bench-results/freshness.json", help="JSON output"),
+        keep: bool = typer.Option(False, help="Keep the platform's data folder (logs, adapters)"),
+        log_level: str = "WARNING"):
+    """Feedback -> served latency: a steady stream of completions and corrections into several
+    tenants; p50 / p99 from each correction's 202 to the first completion of a version trained on
+    it, against publish -> served in the same run. Prints a table, writes JSON."""
+    from clora.infra.freshness_bench import FreshnessBenchConfig, main as run_bench
+
+    _logging(log_level)
+    try:
+        config = FreshnessBenchConfig(
+            tenants=tenants, minutes=minutes, requests_per_s=requests_per_s, feedback_per_s=feedback_per_s,
+            batch_size=batch_size, learning_rate=learning_rate, max_tokens=max_tokens, drain_s=drain_s, model=model,
+            models_dir=models_dir, out=out, keep=keep)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

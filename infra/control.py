@@ -7,8 +7,9 @@ token `clora up` generates into `<data_dir>/admin_token`). Tenant API keys never
 The console is static HTML/JS/CSS shipped in the package (no CDN) that calls this API.
 
 Routes: tenants (list, create — key shown once —, detail with the feedback its reward spec
-left untrained, policy, pause/resume), keys
-(create, rotate, revoke), adapter versions (lineage, promote, roll back), buffers (depth,
+left untrained and the guards' alerts, policy, pause/resume), keys
+(create, rotate, revoke), adapter versions (lineage, promote, roll back, feedback -> served
+freshness), buffers (depth,
 recent examples), recent feedback, DLQ (view, replay one), metrics history.
 """
 
@@ -25,6 +26,7 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from clora.freshness import percentile
 from clora.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
 from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, bearer_token, first_error, install_error_handlers
 from clora.ingest.buffers import ReplayBuffer
@@ -99,6 +101,10 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
             "heldout_depth": {k: buffers.depth(t.id, k, heldout=True) for k in EXAMPLE_KINDS},
             "reward_trend": [p.get("reward") for p in history if p.get("reward") is not None],
             "training_error": _training_error(history),
+            # why a guard paused it (the reward-hacking guard), and why the gate last refused a
+            # candidate on drift (the forgetting guard), unless one published since
+            "paused_reason": t.policy.paused_reason,
+            "drift_refusal": _drift_refusal(history),
         }
 
     def announce(tenant_id: str, action: str, version: int) -> None:
@@ -137,7 +143,9 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         return {**summary(t), "policy": t.policy.model_dump(), "signed_feedback": bool(t.signing_secret),
                 "keys": [k.model_dump() for k in registry.list_keys(t.id)],
                 # scores stored but not trained on, by reason: the policy's reward_spec refused them
-                "untrained_feedback": buffers.untrained_feedback(t.id)}
+                "untrained_feedback": buffers.untrained_feedback(t.id),
+                # what the guards did to it (the reward-hacking guard's pauses), newest first
+                "alerts": [a.model_dump() for a in registry.alerts(t.id, 10)]}
 
     @api.patch("/tenants/{tenant_id}/policy", dependencies=[Depends(admin)])
     def update_policy(tenant_id: str, changes: dict[str, Any]):
@@ -190,9 +198,22 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
             t = rewards.get(version)
             return None if t is None else {"samples": t.n, "mean": t.mean}
 
+        fresh = registry.freshness(tenant_id)
         return {"live": registry.live_version(tenant_id), "base_reward": served(None),
-                "versions": [v.model_dump() | {"served_reward": served(v.version)}
+                "versions": [v.model_dump() | {"served_reward": served(v.version),
+                                               "freshness": _dump(fresh.get(v.version))}
                              for v in registry.adapter_versions(tenant_id)]}
+
+    @api.get("/tenants/{tenant_id}/freshness", dependencies=[Depends(admin)])
+    def freshness(tenant_id: str):
+        """Feedback -> served: each served version's summary (`clora.freshness.FreshnessSummary`)
+        and, over every event of every served version, the tenant's p50 and p99 seconds from a
+        feedback event's 202 to the first completion of the version first trained on it."""
+        tenant_or_404(tenant_id)
+        seconds = [s for per_version in registry.event_freshness(tenant_id).values() for s in per_version]
+        return {"events": len(seconds), "p50_s": percentile(seconds, 50) if seconds else None,
+                "p99_s": percentile(seconds, 99) if seconds else None,
+                "versions": [{"version": v, **s.model_dump()} for v, s in registry.freshness(tenant_id).items()]}
 
     def make_live(tenant_id: str, version: int, action: str) -> dict:
         """Set the live version (404 naming `version` when it is not recorded) and announce it."""
@@ -308,6 +329,21 @@ def build(kafka_bootstrap: str, redis_url: str, admin_token: str, ingest_group: 
     registry = Registry(client, reserved_ids=[EngineSettings().base_name])   # no tenant shadows the base model
     return create_control_app(registry, ReplayBuffer(client), admin_token, publish=producer.send_sync,
                               ingest_group=ingest_group)
+
+
+def _dump(model: BaseModel | None) -> dict | None:
+    return None if model is None else model.model_dump()
+
+
+def _drift_refusal(history: list[dict]) -> dict | None:
+    """The forgetting guard's last refusal of a candidate, unless a version was published since."""
+    for point in reversed(history):
+        if "refused" in point:
+            return {"reason": point["refused"], "drift": point.get("drift"), "time": point.get("time"),
+                    "step": point.get("step")}
+        if point.get("version") is not None:
+            return None
+    return None
 
 
 def _training_error(history: list[dict]) -> dict | None:

@@ -46,10 +46,8 @@ JSON (`--out`) and a reward-vs-step plot (.png).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -70,7 +68,10 @@ from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import HeldOutScores, OperatorSimulator, StepReport, TenantTraffic, evaluate_held_out
 from clora.ids import served_name
+from clora.infra.bench_platform import CORE_SPLIT, PlatformLauncher, Stack, core_split
 from clora.registry import check_init_adapter
+
+__all__ = ["CORE_SPLIT", "Bench", "BenchConfig", "Experiment", "ExperimentError", "Stack", "core_split", "main"]
 
 REFERENCE = {"name": "SkyRL", "n": 8, "speedup": 2.81, "step_s": [191.0, 500.0], "step_growth": 2.62}
 TARGET = {"n": 8, "speedup_at_least": 4.0, "step_growth_at_most": 2.0}
@@ -353,17 +354,6 @@ def training_examples(report: StepReport, algorithm: str) -> int:
     return sum(not is_heldout(f"{event_id}:sft", fraction) for event_id in report.correction_ids)
 
 
-@dataclass
-class Stack:
-    """Where a running platform answers, for experiment clients."""
-
-    gateway: str
-    webhook: str
-    console: str
-    learner_metrics: str
-    admin_token: str
-
-
 EVAL_CONCURRENCY = 8
 """Held-out episodes in flight per scored tenant (within a tenant's share of the engine)."""
 
@@ -535,32 +525,18 @@ class Experiment:
 # --- platforms and the two modes ---------------------------------------------------------------------
 
 
-CORE_SPLIT = ("CLORA_LEARNER_NUM_THREADS", "CLORA_ENGINE_RESERVED_CPUS")
-
-
-def core_split(concurrent: bool, cores: int) -> dict[str, str]:
-    """The CPU settings of a mode's platform (what the environment sets wins).
-
-    Mode B gives the learner and the engine their own cores, half each, as the demo does: with
-    every tenant's rollouts and training at once both run all the time, and two OpenMP teams on
-    the same cores spin against each other, which makes a learner step several times slower
-    than on a core of its own (`benchmarks/bench_learner.py --threads 1|2` beside a busy
-    thread shows it). Mode A keeps the defaults: one experiment's rollouts and training take
-    turns, each on every core.
-    """
-    if not concurrent or cores < 2:
-        return {}
-    return {"CLORA_LEARNER_NUM_THREADS": str(cores // 2), "CLORA_ENGINE_RESERVED_CPUS": str(cores // 2)}
-
-
 @dataclass
 class Bench:
     config: BenchConfig
     console: Console = field(default_factory=lambda: Console() if sys.stdout.isatty() else Console(width=200))
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="clora-bench-experiments-")))
-    _model_env: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _user_env: dict[str, str] = field(default_factory=lambda: {k: os.environ[k] for k in CORE_SPLIT if k in os.environ})
+
+    def __post_init__(self) -> None:
+        # mode B runs max(ns) experiments at once: every one's adapter in one engine batch
+        c = self.config
+        self.launcher = PlatformLauncher(model=c.model, models_dir=c.models_dir, slots=max(c.ns),
+                                         training_mode=c.training_mode, root=self.root)
 
     def run(self) -> dict:
         c = self.config
@@ -570,7 +546,7 @@ class Bench:
                            + f"; data under {self.root}")
         ok = False
         try:
-            self._model_env = self._prepare_model()
+            self.launcher.prepare_model()
             sequential = self.sequential(max(c.ns))
             startup, base_held_out, concurrent = self.concurrent(sorted(set(c.ns)))
             ok = True
@@ -618,67 +594,6 @@ class Bench:
                                "GRPO advantages and the RL loss are 0 and the adapters do not move (try "
                                "--algorithm sft, or an easier task)")
 
-    def _prepare_model(self) -> dict[str, str]:
-        """The base model for every platform: a local HF dir as is, `smollm2` converted once
-        into the shared models dir (not counted in any experiment)."""
-        if self.config.model != "smollm2":
-            path = str(Path(self.config.model).resolve())
-            return {"CLORA_ENGINE_MODEL": path, "CLORA_LEARNER_BASE_MODEL": path}
-        models = str(Path(self.config.models_dir).resolve())
-        env = {**os.environ, "CLORA_LEARNER_MODELS_DIR": models, "CLORA_LEARNER_BASE_MODEL": "smollm2"}
-        out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "prepare-model", "--path-only"], env=env,
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            raise ExperimentError(f"preparing the base model failed: {out.stderr[-2000:]}")
-        return {"CLORA_ENGINE_MODEL": out.stdout.strip().splitlines()[-1], "CLORA_LEARNER_BASE_MODEL": "smollm2",
-                "CLORA_LEARNER_MODELS_DIR": models}
-
-    def _platform_env(self, name: str, concurrent: bool = False) -> None:
-        """Point every CLORA_* setting of the next platform at fresh ports and a fresh data dir,
-        with the mode's CPU split (`core_split`). Settings read the environment when built, so
-        this runs before `Platform(...)`."""
-        from clora.procs import free_port
-
-        c, slots = self.config, max(self.config.ns)
-        for k in ("CLORA_KAFKA_BOOTSTRAP", "CLORA_REDIS_URL"):   # always the platform's own broker and Redis
-            os.environ.pop(k, None)
-        ports = ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT", "CONSOLE_PORT", "GATEWAY_PORT",
-                 "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT")
-        os.environ.update({f"CLORA_{k}": str(free_port()) for k in ports})
-        os.environ.update(self._model_env)
-        os.environ.update(
-            CLORA_DATA_DIR=str(self.root / name), CLORA_ENGINE_PORTS=json.dumps([free_port()]),
-            CLORA_LEARNER_TRAINING_MODE=c.training_mode, CLORA_LEARNER_FUSED_MAX_TENANTS=str(slots),
-            CLORA_LEARNER_FRESH_FRACTION="1.0", CLORA_LEARNER_IDLE_SLEEP_S="0.2",
-            CLORA_ENGINE_MAX_LORAS=str(slots), CLORA_ENGINE_MAX_CPU_LORAS=str(2 * slots))
-        split = core_split(concurrent, len(os.sched_getaffinity(0)))
-        for k in CORE_SPLIT:
-            if k in self._user_env:
-                os.environ[k] = self._user_env[k]
-            elif k in split:
-                os.environ[k] = split[k]
-            else:
-                os.environ.pop(k, None)
-
-    def _start(self, name: str, concurrent: bool = False):
-        """Start a fresh platform; returns (platform, Stack) once the gateway answers /health."""
-        from clora.infra.platform import Platform
-        from clora.settings import PlatformSettings
-        from clora.procs import http_ok
-
-        self._platform_env(name, concurrent)
-        platform = Platform(PlatformSettings()).start()
-        urls = platform.urls()
-        deadline = time.monotonic() + 600
-        while not http_ok(urls["gateway"] + "/health"):
-            if time.monotonic() > deadline:
-                platform.stop()
-                raise ExperimentError(f"gateway {urls['gateway']} never became healthy; logs in {self.root / name}")
-            time.sleep(0.5)
-        stack = Stack(urls["gateway"], urls["webhook"], urls["console"],
-                      f"http://127.0.0.1:{os.environ['CLORA_LEARNER_METRICS_PORT']}/metrics", platform.admin_token())
-        return platform, stack
-
     def _progress(self, mode: str, total: int | None = None) -> Callable[[str, StepRecord], None]:
         total = total or self.config.steps
 
@@ -709,7 +624,7 @@ class Bench:
         results, clock = [], time.monotonic()
         for i in range(n):
             started = time.monotonic() - clock
-            platform, stack = self._start(f"seq-{i}")
+            platform, stack = self.launcher.start(f"seq-{i}")
             try:
                 startup = time.monotonic() - clock - started
                 self.console.print(f"[A] experiment {i + 1}/{n}: platform up in {startup:.0f} s")
@@ -729,7 +644,7 @@ class Bench:
         sets once all n have ended. Returns (start-up + warm-up seconds, the base model's held-out
         scores, experiments per n)."""
         started = time.monotonic()
-        platform, stack = self._start("concurrent", concurrent=True)
+        platform, stack = self.launcher.start("concurrent", concurrent=True)
         try:
             warm = Experiment(stack, "warmup", 10_000, replace(self.config, steps=1), self._progress("B warm-up", 1))
             warm.run()

@@ -8,6 +8,7 @@
 | `worker`   | the ingest worker: consume, validate, join, store, then commit |
 | `joiner`   | one interaction + one feedback record -> training examples |
 | `buffers`  | the per-tenant replay buffers in Redis (their keys and Lua scripts), sampling for the learner |
+| `signals`  | `ReplyTraits`, `ServedSignals`: what served replies say about their version (empty, tool calls, length, diversity) |
 | `reports`  | what workers leave in Redis for the console: consumer lag, the latest dead letters |
 | `metrics`  | the Prometheus metrics of the webhook and the workers |
 | `settings` | the webhook's and the workers' settings |

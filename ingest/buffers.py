@@ -16,6 +16,10 @@ Cluster keeps a tenant on one slot and every script below stays single-slot:
     clora:t:{T}:rewards         hash  per adapter version that served them ('base' for none):
                                       '<v>:n', '<v>:sum', '<v>:sq' of the RL episodes' rewards
     clora:t:{T}:episodes        zset  episode id -> time      episodes already tallied (bounded window)
+    clora:t:{T}:served          hash  per adapter version that served them ('base' for none):
+                                      '<v>:n', '<v>:empty', '<v>:tool', '<v>:bad_tool', '<v>:chars',
+                                      '<v>:chars_sq' of its replies (`clora.ingest.signals`)
+    clora:t:{T}:distinct:{v}    hll   fingerprints of version v's first replies (answer diversity)
     clora:t:{T}:recent          list  the latest feedback records (console)
 
 Writes are Lua scripts, so "is this event new?" and "store its examples" are one atomic
@@ -39,6 +43,7 @@ import redis
 from pydantic import TypeAdapter
 
 from clora.ingest.schemas import EXAMPLE_KINDS, Example, InteractionEvent
+from clora.ingest.signals import DIVERSITY_WINDOW, ReplyTraits, ServedSignals
 
 Kind = Literal["sft", "preference", "rl"]
 _EXAMPLE = TypeAdapter(Example)
@@ -262,14 +267,28 @@ redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
 return 1
 """ % (RECENT_FEEDBACK - 1)
 
-# KEYS: seen, ix, pending ; ARGV: event_id, now, interaction_json, ttl, window
-# Stores the interaction once; always returns the feedback still parked for it.
+# KEYS: seen, ix, pending, served, distinct ; ARGV: event_id, now, interaction_json, ttl, window,
+#       then the reply's traits (`ReplyTraits`): version ('' for no traits: nothing counted), empty
+#       0/1, tool 0/1, bad_tool 0/1, length, fingerprint, diversity window
+# Stores the interaction once, and adds its reply to its version's signals as it does (so a
+# redelivered interaction counts once); always returns the feedback still parked for it.
 _STORE_INTERACTION = """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   redis.call('ZADD', KEYS[1], tonumber(ARGV[2]), ARGV[1])
   local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
   if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
   redis.call('SET', KEYS[2], ARGV[3], 'EX', tonumber(ARGV[4]))
+  local v = ARGV[6]
+  if v ~= '' then
+    local n = redis.call('HINCRBY', KEYS[4], v .. ':n', 1)
+    for i, name in ipairs({'empty', 'tool', 'bad_tool'}) do
+      if ARGV[6 + i] == '1' then redis.call('HINCRBY', KEYS[4], v .. ':' .. name, 1) end
+    end
+    local len = tonumber(ARGV[10])
+    redis.call('HINCRBY', KEYS[4], v .. ':chars', len)
+    redis.call('HINCRBY', KEYS[4], v .. ':chars_sq', len * len)
+    if n <= tonumber(ARGV[12]) then redis.call('PFADD', KEYS[5], ARGV[11]) end
+  end
 end
 return redis.call('HGETALL', KEYS[3])
 """
@@ -340,13 +359,17 @@ class RewardTally:
         return max(0.0, (self.squares - self.total * self.total / self.n) / (self.n - 1))
 
 
+def _version_field(version: int | None) -> str:
+    """How a serving version is spelled in the per-version keys and fields: `3`, or `base`."""
+    return "base" if version is None else str(version)
+
+
 def _tally(example) -> str:
     """The per-example tally argument of `_ADD_EXAMPLES`: '<version>|<reward>|<episode>' for an
     RL sample ('' for an episode it does not name)."""
     if example.kind != "rl":
         return ""
-    version = "base" if example.adapter_version is None else str(example.adapter_version)
-    return f"{version}|{example.reward!r}|{example.episode_id or ''}"
+    return f"{_version_field(example.adapter_version)}|{example.reward!r}|{example.episode_id or ''}"
 
 
 def holdout_key(example) -> str:
@@ -386,9 +409,10 @@ class ReplayBuffer:
         return BufferBatch(self)
 
     def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str,
-                          *, now: float) -> list[bytes]:
-        """Store an interaction (once). Returns the JSON of the feedback parked for it."""
-        return self._run(self._store_call(tenant, event_id, interaction_id, body, now=now))
+                          *, now: float, traits: ReplyTraits | None = None) -> list[bytes]:
+        """Store an interaction (once), and count its reply's `traits` in its version's signals
+        when the interaction is new. Returns the JSON of the feedback parked for it."""
+        return self._run(self._store_call(tenant, event_id, interaction_id, body, now=now, traits=traits))
 
     def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
                       *, now: float, recent: str = "") -> ParkResult:
@@ -427,9 +451,15 @@ class ReplayBuffer:
     def _run(self, call: "_ScriptCall"):
         return call.decode(call.script(keys=call.keys, args=call.args))
 
-    def _store_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float) -> "_ScriptCall":
-        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id)]
-        args = [event_id, now, body, self.policy.interaction_ttl_s, self.policy.dedup_window]
+    def _store_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
+                    traits: ReplyTraits | None = None) -> "_ScriptCall":
+        version = "" if traits is None else _version_field(traits.version)
+        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id),
+                tkey(tenant, "served"), tkey(tenant, "distinct", version or "none")]
+        args = [event_id, now, body, self.policy.interaction_ttl_s, self.policy.dedup_window, version]
+        if traits is not None:
+            args += [int(traits.empty), int(traits.tool_call), int(traits.bad_tool_call), traits.length,
+                     traits.fingerprint, DIVERSITY_WINDOW]
         return _ScriptCall(self._store, keys, args, _parked_bodies)
 
     def _park_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
@@ -484,6 +514,24 @@ class ReplayBuffer:
             fields.setdefault(None if version == "base" else int(version), {})[stat] = float(v)
         return {v: RewardTally(int(f.get("n", 0)), f.get("sum", 0.0), f.get("sq", 0.0))
                 for v, f in fields.items() if f.get("n")}
+
+    def served_signals(self, tenant: str) -> dict[int | None, ServedSignals]:
+        """Per adapter version (None: the base model), what its served replies looked like
+        (`clora.ingest.signals`): every interaction stored counts once, at the version that
+        served it."""
+        fields: dict[int | None, dict[str, int]] = {}
+        for k, v in self.r.hgetall(tkey(tenant, "served")).items():
+            version, _, stat = k.decode().rpartition(":")
+            fields.setdefault(None if version == "base" else int(version), {})[stat] = int(v)
+        versions = [v for v, f in fields.items() if f.get("n")]
+        pipe = self.r.pipeline(transaction=False)
+        for v in versions:
+            pipe.pfcount(tkey(tenant, "distinct", _version_field(v)))
+        return {v: ServedSignals(n=fields[v]["n"], empty=fields[v].get("empty", 0),
+                                 tool_calls=fields[v].get("tool", 0), bad_tool_calls=fields[v].get("bad_tool", 0),
+                                 chars=fields[v].get("chars", 0), chars_sq=fields[v].get("chars_sq", 0),
+                                 distinct=distinct)
+                for v, distinct in zip(versions, pipe.execute())}
 
     def recent_feedback(self, tenant: str, n: int = 50) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(tkey(tenant, "recent"), 0, n - 1)]
@@ -566,8 +614,9 @@ class BufferBatch:
         self._pipe = buffers.r.pipeline(transaction=False)
         self._decoders: list[Callable[[Any], Any]] = []
 
-    def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float) -> None:
-        self._queue(self._buffers._store_call(tenant, event_id, interaction_id, body, now=now))
+    def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
+                          traits: ReplyTraits | None = None) -> None:
+        self._queue(self._buffers._store_call(tenant, event_id, interaction_id, body, now=now, traits=traits))
 
     def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
                       *, now: float, recent: str = "") -> None:

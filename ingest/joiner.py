@@ -37,7 +37,7 @@ def build_examples(ix: InteractionEvent, fb: FeedbackEvent, spec: RewardSpec | N
     if ix.tenant != fb.tenant:  # keys are per tenant, so this means a bug upstream
         raise ValueError(f"feedback {fb.event_id} of tenant {fb.tenant} joined interaction of {ix.tenant}")
     common = dict(tenant=fb.tenant, interaction_id=ix.interaction_id, feedback_event_id=fb.event_id,
-                  adapter_version=ix.adapter_version, time=fb.time)
+                  adapter_version=ix.adapter_version, time=fb.time, accepted_at=fb.accepted_at)
     out: list = []
     if fb.correction is not None:
         out.append(SFTExample(example_id=f"{fb.event_id}:sft", messages=ix.messages, tools=ix.tools,

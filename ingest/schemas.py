@@ -219,18 +219,24 @@ class FeedbackEvent(_Event):
     correction: Message | None = None
     comment: str | None = None
     key: str | None = None
+    accepted_at: float | None = None
+    """When the webhook accepted the record, by the webhook's clock (unix seconds): after every
+    check, just before the broker write its 202 waits for. `time` is the client's claim; this is
+    the server's, and where freshness (feedback -> served) starts (`clora.freshness`). None on
+    events from before it was recorded."""
 
     _tenant = field_validator("tenant")(validate_tenant_id)
 
     @classmethod
     def accept(cls, tenant: str, record: FeedbackIn, event_id: str | None = None) -> "FeedbackEvent":
-        """The event for `record`; `event_id` names it when the client sent none (default: a
-        fresh id)."""
+        """The event for `record`, accepted now; `event_id` names it when the client sent none
+        (default: a fresh id)."""
+        accepted = now()
         return cls(
             event_id=record.event_id or event_id or new_id("fb"), tenant=tenant,
-            interaction_id=record.interaction_id, time=record.time if record.time is not None else now(),
+            interaction_id=record.interaction_id, time=record.time if record.time is not None else accepted,
             source=record.source, score=record.score, correction=record.correction,
-            comment=record.comment, key=record.key,
+            comment=record.comment, key=record.key, accepted_at=accepted,
         )
 
 
@@ -278,6 +284,10 @@ class _Example(_Model):
     adapter_version: int | None = None
     """Version that produced the original answer (lineage)."""
     time: float
+    accepted_at: float | None = None
+    """When the webhook accepted the feedback event (its `accepted_at`): the learner records it
+    in the lineage of the version that first trains on this example. None on examples from
+    before it was recorded."""
 
 
 class SFTExample(_Example):

@@ -4,7 +4,7 @@ that turns events into per-tenant training examples in Redis.
     clora ingest-worker            # one member; run several for more partitions
 
 Per poll: validate every record (invalid ones go to `clora.dlq` with the reason), store
-interactions, join feedback with its interaction (or park it until the interaction comes),
+interactions (counting each reply in its serving version's signals, `clora.ingest.signals`), join feedback with its interaction (or park it until the interaction comes),
 write examples — all in pipelined Lua scripts — and only then commit the offsets. A crash
 at any point redelivers the batch; the scripts' de-duplication makes that harmless, so every
 accepted event lands in the buffers exactly once.
@@ -40,6 +40,7 @@ from clora.ingest.buffers import BufferPolicy, ParkResult, PendingWrite, ReplayB
 from clora.ingest.joiner import build_examples, untrained_reason
 from clora.ingest.producer import EventProducer
 from clora.ingest.reports import record_dead_letters
+from clora.ingest.signals import ReplyTraits
 from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
                                   DeadLetter, FeedbackEvent, InteractionEvent)
 
@@ -231,7 +232,8 @@ class IngestWorker:
         now = time.time()
         batch = self.buffers.batch()
         for ix in interactions:
-            batch.store_interaction(ix.tenant, ix.event_id, ix.interaction_id, ix.model_dump_json(), now=now)
+            batch.store_interaction(ix.tenant, ix.event_id, ix.interaction_id, ix.model_dump_json(), now=now,
+                                    traits=ReplyTraits.of(ix))   # the reward-hacking guard's signals
         parked_lists = batch.execute()
         metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
         # Feedback that arrived before its interaction: apply it now (guarded by removal

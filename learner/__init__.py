@@ -7,9 +7,11 @@
 | `lifecycle`     | `TenantLifecycle`: restore checkpoints, register tenants, checkpoint, follow the live version |
 | `sampling`      | `Sampler`: a tenant's next batch from the replay buffer; flat RL batches consumed without a step |
 | `backoff`       | `Backoff`, `StepFailures`: a failed step is logged and counted, and its tenant waits |
-| `gate`          | `PublishGate`: candidate vs live held-out loss, the live-loss cache, the decision, publish and prune |
-| `rollback`      | `RewardRollback`: the reward guard's rounds and the rollbacks they decide |
+| `gate`          | `PublishGate`: candidate vs live held-out loss, the live-loss cache, drift, the decision, publish and prune |
+| `rollback`      | `RewardRollback`: the reward guards' rounds and the rollbacks (and pauses) they decide |
 | `reward_guard`  | `judge`: whether a live version's served rewards dropped below its ancestor's |
+| `hacking_guard` | `judge`: whether a live version's rewards held up while its served replies degenerated |
+| `drift`         | `DriftProbe`: a candidate's KL from the base on the shipped general-purpose prompts (the forgetting guard) |
 | `scheduler`     | `Scheduler`: weighted fair share over training time, which tenant(s) train next |
 | `trainer`       | `Trainer`, `TrainingPolicy`: one optimizer step for one tenant, held-out losses |
 | `fused`         | `FusedTrainer`: one optimizer step for each of K tenants from shared forwards and backwards |

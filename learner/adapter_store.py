@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from clora.freshness import VersionLineage
 from clora.learner.copy_engine import CopyHandle, make_copy_engine
 from clora.learner.lora import LoraLayout, LoraModel
 
@@ -65,6 +66,10 @@ class AdapterState:
     feedback_window: tuple[float, float] | None = None
     """(first, last) feedback time of the examples trained on since the last publish: the
     next version's `feedback_window`. None when nothing was trained on since."""
+    lineage: VersionLineage | None = None
+    """The feedback events first trained since the last publish (fresh examples; a replayed one
+    was first trained in an earlier version), with their accept times: the next version's
+    lineage (`clora.freshness`). None when no fresh example was trained on since."""
     reward_baseline: float | None = None
     """Running mean of the rewards of the tenant's ungrouped scored samples (a thumbs up/down on
     one response): their policy-gradient baseline (`losses.running_baseline`). None until the

@@ -3,8 +3,8 @@
 One file per tenant, `<checkpoints_dir>/<tenant>.safetensors`: tensors `buffer` (4, P) and
 `rng_state`, and every scalar of `AdapterState` (step, cursor, examples seen, ...) as JSON
 in the safetensors metadata; its publishing lineage (`last_published_version`,
-`feedback_window`, each only when set) and its reward baseline (`reward_baseline`, when set)
-sit in that JSON's `extras` object. Written to a
+`feedback_window`, the next version's feedback events `lineage`, each only when set) and its
+reward baseline (`reward_baseline`, when set) sit in that JSON's `extras` object. Written to a
 temporary name, fsynced, then `os.replace`d: a crash leaves the previous checkpoint or the
 new one, never a torn file.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
+from clora.freshness import VersionLineage
 from clora.learner.adapter_store import AdapterState
 from clora.learner.peft_io import fsync_path
 
@@ -65,22 +66,27 @@ def load_checkpoint(path: Path | str, layout_numel: int) -> AdapterState:
         raise CheckpointError(f"checkpoint {path} holds {meta['numel']} LoRA parameters, the learner's layout "
                               f"has {layout_numel} (rank/targets/base model changed?)")
     window = meta["extras"].get("feedback_window")
+    lineage = meta["extras"].get("lineage")
     return AdapterState(tenant=meta["tenant"], seed=meta["seed"], buffer=tensors["buffer"],
                         rng_state=tensors["rng_state"], step=meta["step"], micro_steps=meta["micro_steps"],
                         examples_seen=meta["examples_seen"], cursor=meta["cursor"],
                         last_published_version=meta["extras"].get("last_published_version"),
                         feedback_window=tuple(window) if window else None,
+                        lineage=VersionLineage.model_validate(lineage) if lineage is not None else None,
                         reward_baseline=meta["extras"].get("reward_baseline"))
 
 
 def _lineage(state: AdapterState) -> dict:
     """The `extras` JSON object: `{"last_published_version": 3, "feedback_window": [t0, t1],
-    "reward_baseline": 0.6}`, each key only when set."""
+    "lineage": {"accepted_at": {"fb-1": t0}, "over_cap": 0}, "reward_baseline": 0.6}`, each key
+    only when set."""
     out: dict = {}
     if state.last_published_version is not None:
         out["last_published_version"] = state.last_published_version
     if state.feedback_window is not None:
         out["feedback_window"] = list(state.feedback_window)
+    if state.lineage is not None:
+        out["lineage"] = state.lineage.model_dump()
     if state.reward_baseline is not None:
         out["reward_baseline"] = state.reward_baseline
     return out

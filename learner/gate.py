@@ -13,6 +13,14 @@ The live version's losses are cached per held-out example (`LiveLosses`, on the 
 when it was gated; when the held-out set grows (new traffic), only the new examples are
 scored under the live version, not all of them again.
 
+A candidate that passes is then scored by the forgetting guard (`clora.learner.drift`), when
+the tenant's `drift_tolerance` is set: its KL divergence from the base on a shipped set of
+general-purpose prompts. One beyond the tolerance is refused too; the refusal is counted
+(`clora_learner_publishes{outcome="drift"}`) and noted in the tenant's history, where the
+console shows it. Only candidates that passed the held-out gate pay for it. A tenant the
+reward-hacking guard paused publishes nothing (`outcome="paused"`), not even from a step that
+began before the pause.
+
 A published version is checkpointed with the tenant (a resumed learner never re-trains what a
 version already holds), and old versions are pruned (`LearnerSettings.keep_versions`).
 """
@@ -23,8 +31,10 @@ import logging
 import statistics
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Literal
 
 from clora.registry import AdapterVersion
+from clora.learner.drift import DriftDecision, DriftProbe, decide_drift
 from clora.learner.lifecycle import TenantLifecycle
 from clora.learner.metrics import LearnerMetrics, append_history
 from clora.learner.peft_io import AdapterFormatError
@@ -60,6 +70,16 @@ def decide(candidate_loss: float, live_loss: float | None, tolerance: float, min
                             f"candidate {candidate_loss:.4f} <= live {live_loss:.4f} + {allowed}")
     return GateDecision(False, candidate_loss, live_loss, tolerance,
                         f"candidate {candidate_loss:.4f} worse than live {live_loss:.4f} beyond {allowed}")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a candidate is not published: `outcome` labels `clora_learner_publishes`. Example:
+    `Refusal("drift", "drift 4.210 nats/token from the base on 16 general prompts exceeds the
+    tenant's tolerance 3.000")`."""
+
+    outcome: Literal["rejected", "paused", "drift"]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,7 @@ class PublishGate:
         self.metrics = metrics
         self.tenants = tenants
         self.registry = registry
+        self.drift = DriftProbe(trainer, settings.drift_max_prompts)
 
     def evaluate_and_publish(self, tenant: str, policy: TrainingPolicy) -> AdapterVersion | None:
         """Gate the tenant's current adapter against the live one; publish when it passes.
@@ -128,19 +149,23 @@ class PublishGate:
             self.metrics.eval_loss.labels(tenant).set(cand)
         else:  # nothing to compare on yet: publish, and say so
             decision = GateDecision(True, float("nan"), None, policy.eval_tolerance, "no held-out examples")
+        refusal = self._refusal(tenant, decision, scores)
         st = self.store.state(tenant)
         self.lifecycle.checkpoint(tenant)
-        if not decision.publish:
-            log.info("not publishing %s step %d: %s", tenant, st.step, decision.reason)
-            self.metrics.publishes.labels(tenant, "rejected").inc()
+        if refusal is not None:
+            log.info("not publishing %s step %d: %s", tenant, st.step, refusal.reason)
+            self.metrics.publishes.labels(tenant, refusal.outcome).inc()
+            if refusal.outcome == "drift":   # the console shows why (`refused`: not a step, not a publish)
+                append_history(self.registry, tenant, {"step": st.step, "refused": refusal.reason,
+                                                       "drift": scores["drift"]})
             return None
         version = self.publisher.publish(tenant, st.master.clone(), step=st.step, examples_seen=st.examples_seen,
                                          eval_scores=scores, parent_version=live.version if live else None,
-                                         feedback_window=st.feedback_window)
+                                         feedback_window=st.feedback_window, lineage=st.lineage)
         st.last_published_version = version.version
         if held:  # the candidate, now live, was scored on these examples
             self.tenants[tenant].live_losses = LiveLosses(ScoredUnder.of(version.version, how), cand_losses)
-        st.feedback_window = None                       # the next version's window starts here
+        st.feedback_window = st.lineage = None          # the next version's window and lineage start here
         append_history(self.registry, tenant, {"step": st.step, "eval": scores.get("eval_loss"),
                                                "version": version.version})
         self.lifecycle.checkpoint(tenant)
@@ -148,6 +173,28 @@ class PublishGate:
         log.info("published %s v%d (%s)", tenant, version.version, decision.reason)
         self._prune(tenant)
         return version
+
+    def _refusal(self, tenant: str, decision: GateDecision, scores: dict[str, float]) -> Refusal | None:
+        """Why the candidate is not published, or None: the held-out decision, then a guard's
+        pause (a step that began before the reward-hacking guard paused the tenant), then the
+        forgetting guard, measured only when nothing else refused."""
+        if not decision.publish:
+            return Refusal("rejected", decision.reason)
+        policy = self.registry.get_tenant(tenant).policy
+        if policy.paused_reason is not None:
+            return Refusal("paused", f"a guard paused the tenant: {policy.paused_reason}")
+        drift = self._drift(tenant, policy.drift_tolerance, scores)
+        return Refusal("drift", drift.reason) if drift is not None and not drift.publish else None
+
+    def _drift(self, tenant: str, tolerance: float | None, scores: dict[str, float]) -> DriftDecision | None:
+        """The forgetting guard's decision on `tenant`'s candidate (its drift goes into `scores`);
+        None when the tenant's `drift_tolerance` is None."""
+        if tolerance is None:
+            return None
+        reading = self.drift.measure(tenant)
+        scores["drift"] = reading.kl
+        self.metrics.drift.labels(tenant).set(reading.kl)
+        return decide_drift(reading, tolerance)
 
     def live_loss(self, tenant: str, live: PublishedWeights, scored: list[Example], how: TrainingPolicy) -> float:
         """The live version's loss on the `scored` held-out examples (`Trainer.eval_examples`):

@@ -151,7 +151,7 @@ class TenantLifecycle:
         buffer[EXP_AVG].zero_()
         buffer[GRAD].zero_()
         self.store.put(dataclasses.replace(st, buffer=buffer, micro_steps=0,
-                                           feedback_window=None,          # its data is not in these weights
+                                           feedback_window=None, lineage=None,  # its data is not in these weights
                                            last_published_version=version))  # the weights it trains on from
         self.checkpoint(tenant)
 

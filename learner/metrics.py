@@ -27,7 +27,9 @@ class LearnerMetrics:
         self.tokens = Counter("clora_learner_tokens", "Target tokens trained on", ["tenant"], registry=r)
         self.loss = Gauge("clora_learner_loss", "Training loss of the last step", ["tenant"], registry=r)
         self.swap_exposed = Counter("clora_learner_swap_exposed_seconds", "Swap time not hidden by prefetch", registry=r)
-        self.publishes = Counter("clora_learner_publishes", "Evaluation gate outcomes", ["tenant", "outcome"], registry=r)
+        self.publishes = Counter("clora_learner_publishes", "Evaluation gate outcomes: published, rejected (held-out "
+                                 "loss), drift (the forgetting guard), paused (by a guard)", ["tenant", "outcome"],
+                                 registry=r)
         self.flat_batches = Counter("clora_learner_flat_batches", "RL batches consumed without a step: no group "
                                     "had a reward spread", ["tenant"], registry=r)
         self.gate_cache_hits = Counter("clora_learner_gate_cache_hits", "Publish gates that reused the live "
@@ -40,6 +42,10 @@ class LearnerMetrics:
                                 "the others train on)", ["tenant"], registry=r)
         self.reward_rollbacks = Counter("clora_learner_reward_rollbacks", "Live versions the reward guard rolled "
                                         "back", ["tenant"], registry=r)
+        self.drift = Gauge("clora_learner_drift", "KL divergence from the base (nats per token) of the last "
+                           "candidate the forgetting guard measured", ["tenant"], registry=r)
+        self.reward_hacking = Counter("clora_learner_reward_hacking", "Times the reward-hacking guard paused a "
+                                      "tenant and rolled its live version back", ["tenant"], registry=r)
 
 
 def append_history(registry, tenant: str, point: dict) -> None:

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from clora.freshness import VersionLineage
 from clora.ingest.schemas import AdapterEvent
 from clora.procs import Heartbeat
 from clora.learner.adapter_store import AdapterStore
@@ -173,7 +174,8 @@ class Learner:
         """What every tick starts with: the tenants' views and registry tenants (by id), after
         the reward guard's round (when due) and the flat RL batches consumed."""
         views, registered = self._views()
-        self.rollback.round(registered)
+        if self.rollback.round(registered):    # a guard paused or rolled back a tenant: it must not train now
+            views, registered = self._views()
         if self.sampler.skip_flat(views, {v.id: self.policy(registered[v.id]) for v in views if v.eligible}):
             views, registered = self._views()
         return views, registered
@@ -207,12 +209,15 @@ class Learner:
         return draw
 
     def _after_step(self, draw: Draw, result: StepResult) -> None:
-        """Bookkeeping after a tenant's step: cursor, feedback window, metrics, history,
-        publish or checkpoint; the back-off of an earlier failure ends."""
+        """Bookkeeping after a tenant's step: cursor, feedback window and lineage, metrics,
+        history, publish or checkpoint; the back-off of an earlier failure ends."""
         tid, policy, examples = draw.tenant, draw.policy, draw.examples
         st = self.store.peek(tid)
         st.cursor = max(st.cursor, draw.batch.cursor)
         st.feedback_window = _widen(st.feedback_window, [e.time for e in examples])
+        if fresh := draw.fresh:      # the next version's lineage: the events it trains on first
+            st.lineage = (st.lineage or VersionLineage()).extended(
+                ((e.feedback_event_id, e.accepted_at) for e in fresh), self.s.lineage_max_events)
         self.tenants[tid].dirty = True
         self.scheduler.record(tid, result.seconds)
         m = self.metrics

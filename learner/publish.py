@@ -7,7 +7,8 @@ scores, parent version). A version is written under `.tmp-v<N>-<random>` in the 
 fsynced, then renamed to `v<N>`: a reader (vLLM, a restarted learner) sees a complete
 version or none. A version folder is never overwritten; version numbers only grow (the next
 one is above every number in the registry AND on disk, so an orphan left by a crash between
-rename and registry write is skipped, not reused). After the rename the version is recorded
+rename and registry write is skipped, not reused). After the rename the version's lineage (the
+feedback events first trained in it, `clora.freshness`) is stored, then the version is recorded
 in the registry, made live, and an `AdapterEvent` is announced through the injected
 `announce` callable (a Kafka producer in the learner process, a list in tests).
 
@@ -29,6 +30,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from clora.freshness import VersionLineage
 from clora.registry import AdapterVersion
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.lora import LoraLayout
@@ -50,6 +52,7 @@ class RegistryLike(Protocol):
     def delete_adapter_versions(self, tenant_id: str, versions: list[int]) -> None: ...
     def set_live_version(self, tenant_id: str, version: int | None) -> None: ...
     def live_version(self, tenant_id: str) -> int | None: ...
+    def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,11 @@ class Publisher:
     def publish(self, tenant: str, flat: torch.Tensor, *, step: int, examples_seen: int,
                 eval_scores: dict[str, float], parent_version: int | None = None,
                 feedback_window: tuple[float, float] | None = None,
+                lineage: VersionLineage | None = None,
                 imported_from: str | None = None) -> AdapterVersion:
-        """Write, record, make live and announce a new version of `tenant`'s adapter."""
+        """Write, record, make live and announce a new version of `tenant`'s adapter. `lineage`:
+        the feedback events first trained in it (None: none), stored before the version is
+        live, so that the gateway that serves it first finds them."""
         version = self.next_version(tenant)
         d = self.tenant_dir(tenant)
         d.mkdir(parents=True, exist_ok=True)
@@ -141,6 +147,8 @@ class Publisher:
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise PublishError(f"publishing {tenant} v{version} to {final} failed") from e
+        if lineage is not None and lineage.events:
+            self.registry.record_lineage(tenant, version, lineage)
         self.registry.record_adapter_version(tenant, meta)
         self.registry.set_live_version(tenant, version)
         self._announce(AdapterEvent(tenant=tenant, action="published", version=version, path=meta.path,

@@ -46,6 +46,7 @@ class BufferLike(Protocol):
     def newer_than(self, tenant: str, kind: str, cursor: int) -> int: ...
     def heldout(self, tenant: str, kind: str, n: int | None = None) -> list: ...
     def version_rewards(self, tenant: str) -> dict: ...
+    def served_signals(self, tenant: str) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,14 @@ class Draw:
     """The buffer's sample: `.examples` and `.cursor`, where the tenant's cursor moves to."""
     examples: list[Example]
     """The batch's examples of the policy's kind (empty: nothing to train on)."""
+
+    @property
+    def fresh(self) -> list[Example]:
+        """The examples this step trains on first (from past the tenant's cursor); the others
+        are replays, first trained in an earlier step. A buffer's sample lists its `fresh` first;
+        a mixed draw's (`fresh_across`) are all fresh. Example: cursor 8, batch size 4, 2 new
+        examples -> `fresh` is seqs 9 and 10, the 2 replayed ones are not."""
+        return self.examples[:self.batch.fresh]
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,16 @@ class LearnerSettings(BaseSettings):
     again as samples arrive, and an episode's turns share one reward (so samples are not
     independent): it is set well above the one-off 1.65 of a 5% one-sided test."""
     reward_guard_interval_s: float = Field(default=2.0, ge=0)
-    """How often the reward guard checks every unpaused tenant's live version."""
+    """How often the reward guard (and the reward-hacking guard) checks every unpaused tenant's
+    live version."""
+    drift_max_prompts: int = Field(default=16, ge=1, le=1000)
+    """The forgetting guard scores a candidate that passed the held-out gate on the first this
+    many prompts of the shipped general-purpose set (`clora.learner.drift`; it holds 28): one
+    forward over them per candidate, and the base's distributions on them kept in memory."""
+    lineage_max_events: int = Field(default=4096, ge=0)
+    """Feedback events listed in one version's lineage at most (the events first trained in it,
+    each with its accept time: `clora.freshness`); past it they are only counted (`over_cap`),
+    so a version trained on a flood of feedback stores a bounded record."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Checkpoint a tenant after every k of its steps (and at every publish and at shutdown)."""
     idle_sleep_s: float = Field(default=1.0, gt=0)

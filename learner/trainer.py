@@ -46,7 +46,7 @@ class TrainingPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    algorithm: Algorithm = "sft"
+    algorithm: Algorithm = "auto"
     learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
     batch_size: int = Field(default=8, ge=1, le=1024)
     dpo_beta: float = Field(default=0.1, gt=0, le=100)

@@ -18,6 +18,7 @@ live LoRA adapter version.
 | `interactions`  | sending interaction events to Kafka off the request path, spooling through outages |
 | `spool`         | the fsync'd local spool of records the broker did not take |
 | `traffic`       | per-tenant, per-minute traffic counters for the console |
+| `freshness`     | each version's first served completion: feedback -> served latency (claimed once) |
 | `metrics`       | the gateway's Prometheus metrics |
 | `settings`      | `EngineSettings` and `GatewaySettings` |
 | `zero_adapter`  | the all-zero adapter served in place of "no adapter" on CPU |

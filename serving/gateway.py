@@ -9,6 +9,8 @@ model until its first version is live) or a pinned version `tenant@v7`
 (`clora.ids.served_name`). Any other tenant's model answers 404 `model_not_found`, exactly
 like a model that does not exist. The response `id` is the interaction id: it is claimed in
 the registry for the caller's tenant before the response is sent, and feedback names it.
+The first completion answered with each adapter version starts its freshness measurement
+(`clora.serving.freshness`), off the request path.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from clora.serving import errors
 from clora.serving.aliases import AdapterRef
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable, Lease
+from clora.serving.freshness import FreshnessTracker
 from clora.serving.hotswap import HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import UNAUTHENTICATED, GatewayMetrics
@@ -107,6 +110,9 @@ class Gateway:
     """Keys each tenant's prefix-cache salt (`cache_salt`); never leaves the gateway."""
     _released: asyncio.Condition = field(default_factory=asyncio.Condition, init=False)
     """Notified each time a request has released everything it held."""
+    freshness: FreshnessTracker | None = None
+    """Claims each version's first served completion and measures its feedback's freshness;
+    built on the registry and metrics when not given."""
 
     def __post_init__(self) -> None:
         self.limits = tenant_limits(self.engine.settings, self.settings)
@@ -118,6 +124,8 @@ class Gateway:
                                             self.settings.tenant_recorded_burst_s)
         self.bounds = Bounds(max_tokens=self.limits.max_tokens, n=self.limits.n,
                              max_depth=self.settings.max_json_depth)
+        if self.freshness is None:
+            self.freshness = FreshnessTracker(self.registry, self.metrics)
 
     def cache_salt(self, tenant: str) -> str:
         return hmac.new(self.salt_key, tenant.encode(), hashlib.sha256).hexdigest()
@@ -316,8 +324,9 @@ class Gateway:
 
     async def _record(self, rec: Recorder) -> None:
         """Log the interaction events of a finished completion and, with `durable_interactions`,
-        wait until each is durable; count its tokens. Raises `Unrecorded` when an event cannot
-        be built, submitted or made durable in `record_timeout_s`."""
+        wait until each is durable; count its tokens; tell the freshness tracker which version
+        answered. Raises `Unrecorded` when an event cannot be built, submitted or made durable in
+        `record_timeout_s`."""
         try:
             events = rec.events()
             pending = [self.logger.submit(ev) for ev in events]
@@ -328,14 +337,15 @@ class Gateway:
         generated = sum(len(c.token_ids) for c in rec.choices.values())
         self.metrics.served(rec.tenant, len(rec.prompt_token_ids or ()), generated,
                             recorded=bool(events) or not rec.choices)
-        if not self.settings.durable_interactions or not pending:
-            return
-        try:
-            await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in pending)),
-                                   self.settings.record_timeout_s)
-        except (asyncio.TimeoutError, RuntimeError) as e:
-            raise Unrecorded(f"interaction {rec.interaction_id} was not durable within "
-                             f"{self.settings.record_timeout_s} s: {e!r}") from e
+        if self.settings.durable_interactions and pending:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in pending)),
+                                       self.settings.record_timeout_s)
+            except (asyncio.TimeoutError, RuntimeError) as e:
+                raise Unrecorded(f"interaction {rec.interaction_id} was not durable within "
+                                 f"{self.settings.record_timeout_s} s: {e!r}") from e
+        if rec.choices:  # answered: the version's first completion starts its freshness measurement
+            self.freshness.served(rec.ref)
 
     def _unrecorded(self, e: Unrecorded) -> HttpError:
         return HttpError(503, "interaction_not_recorded", f"{e}; the answer is withheld: retry", type="server_error",

@@ -1,13 +1,22 @@
 """Prometheus metrics of the gateway: requests by tenant and status, latency, time to the first
-streamed token, tokens, interactions that could not be recorded, hot swaps, and the engine's
-replicas and resident adapters, the interaction logger's deliveries. `ServingService` serves
-them on `GatewaySettings.metrics_port` (127.0.0.1: they name tenants), not on the public port.
+streamed token, tokens, interactions that could not be recorded, hot swaps, feedback -> served
+freshness, and the engine's replicas and resident adapters, the interaction logger's
+deliveries. `ServingService` serves them on `GatewaySettings.metrics_port` (127.0.0.1: they
+name tenants), not on the public port.
+
+`clora_feedback_to_served_seconds{tenant}` observes, for each feedback event first trained in
+a version, the seconds from the webhook's 202 to the first completion that version served
+(`clora.serving.freshness`). Its tenant label is bounded: the first `freshness_tenants`
+tenants observed get their own label value, every later one shares `_other` (no tenant id can
+start with `_`), so a platform with 10,000 tenants exports at most that many series.
 
 Metrics live in an injected `CollectorRegistry` (a fresh one by default), so several gateways
 can coexist in one test process.
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,10 +27,38 @@ UNAUTHENTICATED = "-"
 """The tenant label of requests whose key was not checked or not valid."""
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+FRESHNESS_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200, 3600)
+"""Seconds from a feedback event's 202 to serving a version trained on it (the target: p50 <= 60)."""
+OTHER_TENANTS = "_other"
+"""The tenant label of the tenants past a bounded metric's limit (`TenantLabels`)."""
+
+
+class TenantLabels:
+    """Tenant label values for a metric whose series must stay bounded: the first `limit`
+    tenants seen keep their id, every later one is `OTHER_TENANTS`. Example: limit 2, tenants
+    seen a, b, c, a -> "a", "b", "_other", "a". Thread-safe (observed from worker threads)."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"a tenant label limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._named: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        with self._lock:
+            if tenant in self._named:
+                return tenant
+            if len(self._named) < self.limit:
+                self._named.add(tenant)
+                return tenant
+            return OTHER_TENANTS
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, rollup: TrafficRollup | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, rollup: TrafficRollup | None = None,
+                 freshness_tenants: int = 100):
+        """`freshness_tenants`: tenants the freshness histogram names (`TenantLabels`)."""
         r = registry if registry is not None else CollectorRegistry()
         self.registry = r
         self.rollup = rollup
@@ -43,6 +80,11 @@ class GatewayMetrics:
                              registry=r)
         self.swap_seconds = Histogram("clora_gateway_swap_seconds", "From noticing a new live version to serving "
                                       "it (its preload into every replica)", buckets=LATENCY_BUCKETS, registry=r)
+        self.freshness = Histogram("clora_feedback_to_served_seconds", "From a feedback event's 202 to the first "
+                                   "completion served by the version first trained on it (tenant: the first "
+                                   f"{freshness_tenants} tenants by name, the rest {OTHER_TENANTS!r})", ["tenant"],
+                                   buckets=FRESHNESS_BUCKETS, registry=r)
+        self.freshness_label = TenantLabels(freshness_tenants)
 
     def watch(self, engine, logger=None) -> None:
         """Report `engine`'s replicas (health, restarts, resident adapters, requests) and the
@@ -68,6 +110,14 @@ class GatewayMetrics:
     def swapped(self, tenant: str, seconds: float) -> None:
         self.swaps.labels(tenant).inc()
         self.swap_seconds.observe(seconds)
+
+    def fresh(self, tenant: str, seconds: list[float]) -> None:
+        """Observe the freshness of each of a version's lineage events (`clora.serving.freshness`)."""
+        if not seconds:
+            return
+        histogram = self.freshness.labels(self.freshness_label(tenant))
+        for s in seconds:
+            histogram.observe(s)
 
 
 class _EngineCollector:

@@ -16,8 +16,10 @@ background thread; the interaction logger and the adapter-event consumer have th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 
 import redis
 import uvicorn
@@ -44,6 +46,10 @@ class ServingStartError(RuntimeError):
     """The engine or the gateway did not come up."""
 
 
+class ServingStopped(RuntimeError):
+    """Serving was told to stop before it finished starting (`ServingService.start`'s `stop_event`)."""
+
+
 class ServingService:
     def __init__(self, engine: EngineSettings, gateway: GatewaySettings, *, kafka_bootstrap: str, redis_url: str,
                  listen_adapter_events: bool = True):
@@ -57,6 +63,8 @@ class ServingService:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+        """`_main`, while it runs: cancelled by `stop` before the gateway listens."""
         self._ready = threading.Event()
         self._error: BaseException | None = None
 
@@ -65,18 +73,33 @@ class ServingService:
         """Base URL for OpenAI clients (`.../v1`)."""
         return f"http://{self.gateway_settings.host}:{self.port}/v1"
 
-    def start(self, timeout_s: float | None = None) -> "ServingService":
+    def start(self, timeout_s: float | None = None, stop_event: threading.Event | None = None) -> "ServingService":
+        """Start the engine and the gateway; return once the gateway listens. When `stop_event`
+        is set first (a SIGTERM while the engine boots, which takes minutes on a busy CPU), the
+        start is abandoned at once, the replicas stopped, and `ServingStopped` raised: a process
+        told to stop must not finish booting first, nor leave its engine children behind."""
         timeout_s = timeout_s or self.engine_settings.start_timeout_s + 30
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="serving", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="serving", daemon=True)
         self._thread.start()
-        if not self._ready.wait(timeout_s) or self._error is not None:
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+            if stop_event is not None and stop_event.is_set():
+                self.stop()
+                raise ServingStopped("serving was told to stop while it started")
+            if time.monotonic() >= deadline:
+                break
+        if not self._ready.is_set() or self._error is not None:
             self.stop()
             raise ServingStartError(f"serving did not start within {timeout_s} s") from self._error
         return self
 
     def stop(self) -> None:
+        """Stop serving: the gateway drains, or a start in progress is cancelled; either way the
+        engine's replicas are stopped before this returns (within a minute)."""
         if self._server is not None:
             self._server.should_exit = True
+        elif self._task is not None and self.loop is not None:   # still starting: cancel it
+            self.loop.call_soon_threadsafe(self._task.cancel)
         if self._thread is not None:
             self._thread.join(60)
 
@@ -84,14 +107,19 @@ class ServingService:
         """Run a coroutine on the service's loop from another thread (tests, admin tools)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
+    def _run(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):   # `stop` during the start: nothing to report
+            asyncio.run(self._main())
+
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
         es, gs = self.engine_settings, self.gateway_settings
         registry = Registry(redis.Redis.from_url(self.redis_url, socket_timeout=5))
         aliases = AliasTable()
         engine = EngineManager(es, live_refs=aliases.refs, adapter_wait_s=gs.adapter_wait_s)
         rollup = TrafficRollup(registry)
-        metrics = GatewayMetrics(rollup=rollup)
+        metrics = GatewayMetrics(rollup=rollup, freshness_tenants=gs.freshness_tenant_labels)
         swapper = HotSwapper(registry, aliases, engine, poll_s=gs.registry_poll_s, refresh_s=gs.tenant_refresh_s,
                              drain_timeout_s=gs.drain_timeout_s, metrics=metrics)
         logger = InteractionLogger(lambda: EventProducer(self.kafka_bootstrap, timeout_s=gs.kafka_timeout_s),
@@ -154,7 +182,11 @@ class ServingService:
 def run_serving(engine: EngineSettings, gateway: GatewaySettings, kafka_bootstrap: str, redis_url: str,
                 stop_event: threading.Event) -> None:
     """Run engine + gateway until `stop_event` is set (the `clora up` entry point)."""
-    svc = ServingService(engine, gateway, kafka_bootstrap=kafka_bootstrap, redis_url=redis_url).start()
+    try:
+        svc = ServingService(engine, gateway, kafka_bootstrap=kafka_bootstrap, redis_url=redis_url).start(
+            stop_event=stop_event)
+    except ServingStopped:
+        return
     try:
         stop_event.wait()
     finally:

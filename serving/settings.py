@@ -130,6 +130,9 @@ class GatewaySettings(BaseSettings):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     adapter_wait_s: float = Field(default=30.0, gt=0)
     """Longest a request waits for an engine slot when every resident adapter is busy."""
+    freshness_tenant_labels: int = Field(default=100, ge=1)
+    """Tenants the `clora_feedback_to_served_seconds` histogram names, the first observed first;
+    every later tenant's observations share the label `_other`, which bounds its series."""
 
     @model_validator(mode="after")
     def _recorded_budget_admits_one_request(self) -> "GatewaySettings":

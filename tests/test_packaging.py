@@ -12,3 +12,24 @@ def test_generic_module_names_stay_free(tmp_path):
             "print(u.find_spec('kernels'), u.find_spec('agents'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None None"
+
+
+def test_the_data_files_the_platform_reads_ship_in_the_wheel(tmp_path):
+    """Package data an installed clora reads at run time: the console's static files and the
+    forgetting guard's prompt set (`[tool.setuptools.package-data]` in pyproject.toml)."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for folder in ("core", "ingest", "serving", "learner", "kernels", "agents", "infra"):
+        shutil.copytree(root / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    code = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=src, capture_output=True,
+                         text=True, check=True)
+    names = set(zipfile.ZipFile(tmp_path / "dist" / out.stdout.strip().splitlines()[-1]).namelist())
+    assert {"clora/learner/drift_prompts.jsonl", "clora/infra/static/console.js"} <= names

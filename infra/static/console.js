@@ -96,7 +96,9 @@ async function renderOverview(first) {
   const rows = data.tenants.map(t => el("tr", { "data-tenant": t.id },
     el("td", {}, el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), el("div", { class: "muted" }, t.name)),
     el("td", {}, el("span", { class: "pill " + (t.paused ? "paused" : "learning") }, t.paused ? "paused" : "learning"),
-      t.training_error ? el("div", { class: "pill failing", title: t.training_error.error }, "training fails") : ""),
+      t.training_error ? el("div", { class: "pill failing", title: t.training_error.error }, "training fails") : "",
+      t.paused_reason ? el("div", { class: "pill failing", title: t.paused_reason }, "reward hacking") : "",
+      t.drift_refusal ? el("div", { class: "pill failing", title: t.drift_refusal.reason }, "drift refused") : ""),
     el("td", { class: "live" }, t.live_version === null ? "base" : "v" + t.live_version,
       t.rollbacks ? el("div", { class: "rolled-back", title: "versions the reward guard rolled back" }, `${t.rollbacks} rolled back`) : ""),
     el("td", { class: "depth" }, `${t.buffer_depth.sft} / ${t.buffer_depth.preference} / ${t.buffer_depth.rl}`),
@@ -126,12 +128,18 @@ async function renderOverview(first) {
       el("label", {}, "display name", el("input", { name: "name" })),
       el("button", { type: "submit" }, "Create tenant"));
     view().replaceChildren(
+      el("div", { id: "alerts-slot" }),
       el("section", { class: "card" }, el("h2", {}, "Tenants"), el("div", { id: "tenants-slot" })),
       el("section", { class: "card" }, el("h2", {}, "New tenant"), form, el("div", { id: "new-key" })),
       el("section", { class: "card" }, el("h2", {}, "Dead letters"), el("div", { id: "dlq-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Platform events"), el("div", { id: "events-slot" })));
   }
   document.getElementById("tenants-slot").replaceChildren(table);
+  // a guard paused these tenants: an operator must look before resuming them
+  const alerted = data.tenants.filter(t => t.paused_reason);
+  document.getElementById("alerts-slot").replaceChildren(...(alerted.length ? [el("section", { class: "card alert", id: "alerts" },
+    el("h2", {}, "Alerts"), ...alerted.map(t => el("p", { class: "error" },
+      el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), ": paused, " + t.paused_reason)))] : []));
   document.getElementById("dlq-slot").replaceChildren(dlqTable);
   document.getElementById("events-slot").replaceChildren(eventsTable);
 }
@@ -154,9 +162,10 @@ function showKey(key, label) {
 
 async function renderTenant(id, first) {
   const enc = encodeURIComponent(id);
-  const [t, versions, metrics, feedback, buffers, traffic] = await Promise.all([
+  const [t, versions, metrics, feedback, buffers, traffic, freshness] = await Promise.all([
     api(`/tenants/${enc}`), api(`/tenants/${enc}/versions`), api(`/tenants/${enc}/metrics`),
-    api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`), api(`/tenants/${enc}/traffic?minutes=60`)]);
+    api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`), api(`/tenants/${enc}/traffic?minutes=60`),
+    api(`/tenants/${enc}/freshness`)]);
   if (first) {
     view().replaceChildren(
       el("p", {}, el("a", { href: "#/" }, "← all tenants")),
@@ -164,7 +173,8 @@ async function renderTenant(id, first) {
       el("section", { class: "grid" },
         el("div", { class: "card", id: "chart-reward" }), el("div", { class: "card", id: "chart-loss" }),
         el("div", { class: "card", id: "chart-eval" }), el("div", { class: "card", id: "chart-served" }),
-        el("div", { class: "card", id: "chart-requests" }), el("div", { class: "card", id: "chart-latency" })),
+        el("div", { class: "card", id: "chart-requests" }), el("div", { class: "card", id: "chart-latency" }),
+        el("div", { class: "card", id: "freshness" })),
       el("section", { class: "card" }, el("h2", {}, "Adapter versions"), el("div", { id: "versions-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Learning policy"), policyForm(id, t.policy)),
       el("section", { class: "card" }, el("h2", {}, "API keys"), el("div", { id: "keys-slot" }), el("div", { id: "new-key" })),
@@ -179,7 +189,12 @@ async function renderTenant(id, first) {
       t.paused ? "resume learning" : "pause learning"), " ",
     el("button", { id: "rollback", onclick: () => act(() => api(`/tenants/${enc}/rollback`, { method: "POST", body: "{}" })) }, "roll back"),
     t.training_error ? el("p", { class: "error", id: "training-error" },
-      `training fails (${t.training_error.failures} time(s) in a row, next try in ${Math.round(t.training_error.retry_in_s)} s): ${t.training_error.error}`) : "");
+      `training fails (${t.training_error.failures} time(s) in a row, next try in ${Math.round(t.training_error.retry_in_s)} s): ${t.training_error.error}`) : "",
+    t.paused_reason ? el("p", { class: "error alert", id: "guard-alert" }, `Paused by a guard — ${t.paused_reason}`) : "",
+    t.drift_refusal ? el("p", { class: "error", id: "drift-refusal" },
+      `step ${t.drift_refusal.step}'s candidate was not published (forgetting guard): ${t.drift_refusal.reason}`) : "",
+    t.alerts.length ? el("div", { id: "alert-history" }, t.alerts.slice(0, 5).map(a =>
+      el("div", { class: "rolled-back" }, `${fmtTime(a.time)} ${a.kind.replace("_", " ")}: ${a.detail}`))) : "");
   const pts = metrics.points;
   const series = (key, color) => ({ name: key, color, points: pts.map(p => [p.step ?? p.time, p[key]]) });
   document.getElementById("chart-reward").replaceChildren(lineChart([series("reward", "#3fb950")], { title: "reward" }));
@@ -201,15 +216,27 @@ async function renderTenant(id, first) {
   document.getElementById("chart-latency").replaceChildren(lineChart([
     { name: "latency", color: "#a371f7", points: perMinute(m => m.ok ? m.latency_s / m.ok : null) }],
     { title: "mean latency of answered requests (s)", xLabel: "min ", dots: true }));
+  // feedback -> served: from each feedback event's 202 to the first completion of the version first trained on it
+  const fresh = (key) => ({ name: key.slice(0, 3), points: freshness.versions.map(v => [v.version, v[key]]) });
+  document.getElementById("freshness").replaceChildren(
+    el("p", { id: "freshness-summary", class: "muted" }, freshness.events
+      ? `feedback → served: p50 ${fmtNum(freshness.p50_s, 1)} s, p99 ${fmtNum(freshness.p99_s, 1)} s over ${freshness.events} events`
+      : "feedback → served: no version trained on feedback has served yet"),
+    lineChart([{ ...fresh("p50_s"), color: "#4fb0ff" }, { ...fresh("p99_s"), color: "#f85149" },
+      { name: "pub", color: "#8b98a5", points: freshness.versions.map(v => [v.version, v.published_to_served_s]) }],
+      { title: "feedback → served s per version (pub: publish → served)", xLabel: "v", dots: true }));
+  const freshCell = (f) => !f ? "—" : f.events
+    ? `${fmtNum(f.p50_s, 1)} / ${fmtNum(f.p99_s, 1)} s (${f.events})` : `no feedback (${fmtNum(f.published_to_served_s, 1)} s to serve)`;
   document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },
-    el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "served reward", "feedback window", "created", ""].map(h => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "served reward", "feedback → served p50 / p99", "feedback window", "created", ""].map(h => el("th", {}, h)))),
     el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },
       el("td", { class: v.version === versions.live ? "live" : "" }, "v" + v.version + (v.version === versions.live ? " (live)" : ""),
-        v.rolled_back ? el("div", { class: "rolled-back", title: v.rolled_back.reason }, `rolled back to v${v.rolled_back.to} by the reward guard`) : ""),
+        v.rolled_back ? el("div", { class: "rolled-back", title: v.rolled_back.reason }, `rolled back to v${v.rolled_back.to} by the ${v.rolled_back.guard === "reward_hacking" ? "reward-hacking" : "reward"} guard`) : ""),
       el("td", {}, v.parent_version === null ? "—" : "v" + v.parent_version),
       el("td", {}, String(v.step)), el("td", {}, String(v.examples_seen)),
       el("td", { class: "mono" }, Object.entries(v.eval_scores).map(([k, s]) => `${k}=${fmtNum(s)}`).join(" ")),
       el("td", { class: "served-reward" }, v.served_reward ? `${fmtNum(v.served_reward.mean, 2)} (${v.served_reward.samples})` : "—"),
+      el("td", { class: "freshness" }, freshCell(v.freshness)),
       el("td", {}, v.feedback_window ? `${fmtTime(v.feedback_window[0])} → ${fmtTime(v.feedback_window[1])}` : "—"),
       el("td", {}, fmtTime(v.created_at)),
       el("td", {}, v.version === versions.live ? "" : el("button", { class: "promote", onclick: () => act(() => api(`/tenants/${enc}/versions/${v.version}/promote`, { method: "POST" })) }, "make live")))))));

@@ -5,8 +5,8 @@ import pytest
 from clora.agents.envs import ArithmeticEnv, StructuredEnv, SupportEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent, AgentError
-from clora.agents.simulate import (HeldOutScores, OperatorSimulator, TenantTraffic, evaluate, evaluate_held_out,
-                                   run_tenants, same_action)
+from clora.agents.simulate import (HeldOutScores, OperatorSimulator, TenantTraffic, ThumbsUser, evaluate,
+                                   evaluate_held_out, run_tenants, same_action)
 
 from tests.fakes import oracle
 
@@ -53,6 +53,53 @@ def test_operator_corrects_wrong_answers_with_the_reference(fake_openai, openai_
         assert fix.event_id == f"op-{fix.interaction_id}" and fix.key == "correction"
         assert call.name == "calculator" and call.arguments == problem.reference[0]["tool_calls"][0]["function"][
             "arguments"]
+
+
+def _support_rollout(env, p, iid, reply):
+    from clora.agents.runtime import EpisodeTrace, Turn
+    from clora.agents.simulate import Rollout
+
+    trace = EpisodeTrace((*p.messages, {"role": "assistant", "content": reply}), (Turn(iid, 2, (), "stop", 1, 1),),
+                         reply, "reply")
+    return Rollout(p, trace, env.reward(p, reply))
+
+
+def test_a_thumbs_user_rates_each_reply_by_the_bar_with_a_share_flipped():
+    env = SupportEnv()
+    p = env.problem(1, "easy")
+    good = [_support_rollout(env, p, f"g-{k}", p.reference[0]["content"]) for k in range(400)]
+    bad = [_support_rollout(env, p, f"b-{k}", "Sure.") for k in range(400)]
+    user = ThumbsUser(noise=0.1, seed=7)
+    ups_good = sum(rec.score for r in good for rec in user.thumbs(r))
+    ups_bad = sum(rec.score for r in bad for rec in user.thumbs(r))
+    assert 340 <= ups_good <= 380 and 20 <= ups_bad <= 60          # 360 and 40 expected: 10% flipped
+    [rec] = user.thumbs(good[0])
+    assert (rec.key, rec.source, rec.event_id, rec.correction) == ("thumbs", "user", "th-g-0", None)
+    assert user.thumbs(good[0]) == ThumbsUser(noise=0.1, seed=7).thumbs(good[0])     # a resent step: same thumbs
+    exact = ThumbsUser(noise=0.0)
+    assert all(rec.score == 1.0 for r in good[:20] for rec in exact.thumbs(r))
+    assert all(rec.score == 0.0 for r in bad[:20] for rec in exact.thumbs(r))
+    partial = _support_rollout(env, p, "half", f"Hi {p.expected.name}, sorry.")      # one rule of three
+    assert exact.thumbs(partial)[0].score == 0.0 and ThumbsUser(noise=0.0, bar=0.3).thumbs(partial)[0].score == 1.0
+    with pytest.raises(ValueError, match="noise must be in"):
+        ThumbsUser(noise=0.6)
+
+
+def test_traffic_with_a_user_sends_thumbs_instead_of_rewards(fake_openai, openai_client, feedback, fake_webhook):
+    env = SupportEnv()
+    fake_openai.policy = lambda body, i: "Sure."
+    traffic = TenantTraffic("acme", Agent(openai_client, "acme", env.tools), env, feedback, group_size=1,
+                            prompts_per_step=4, user=ThumbsUser(noise=0.0))
+    report = traffic.step()
+
+    assert report.rewards_sent == 4 and report.corrections_sent == 0
+    assert {(r.source, r.key, r.score) for r in fake_webhook.accepted} == {("user", "thumbs", 0.0)}
+    # single replies, as production sends them: no group id, so the learner scores each alone
+    assert all(r.trace.group_id is None for r in report.rollouts)
+    assert not any("group_id" in (req.get("metadata") or {}) for req in fake_openai.requests)
+    with pytest.raises(ValueError, match="group_size must be 1"):
+        TenantTraffic("acme", Agent(openai_client, "acme", env.tools), env, feedback, group_size=2,
+                      user=ThumbsUser())
 
 
 def test_operator_share_and_right_turns_are_respected():

@@ -1,6 +1,6 @@
 """`clora demo` — the README's first command — runs end to end, as a user runs it, on a tiny
-model: it brings up every real service, creates its three tenants, measures the base model,
-drives traffic with rewards and operator corrections through the webhook, lets the learner
+model: it brings up every real service, creates its four tenants, measures the base model,
+drives traffic with rewards, operator corrections and a user's thumbs through the webhook, lets the learner
 train and publish, evaluates the live adapters and writes its report.
 
 A random tiny model cannot learn the tasks in a couple of minutes; what this checks is the
@@ -38,12 +38,18 @@ def test_demo_runs_the_platform_and_reports_every_tenant(tmp_path, tiny_model):
 
     report = json.loads((tmp_path / "bench-results" / "demo.json").read_text())
     rows = {r["tenant"]: r for r in report["tenants"]}
-    assert set(rows) == {"calc", "support", "extract"}
+    assert set(rows) == {"calc", "support", "extract", "greet"}
     for r in rows.values():
         assert 0.0 <= r["base_score"] <= 1.0 and 0.0 <= r["score"] <= 1.0, r
         assert r["rollouts"] > 0 and r["errors"] == 0, r
     # the random model answers wrong, so the operator corrects it and the learner trains
     assert sum(r["corrections"] for r in rows.values()) > 0
+    # the thumbs tenant hears only thumbs: one per reply, no corrections
+    greet = rows["greet"]
+    assert greet["thumbs"] == greet["rollouts"] > 0 and greet["corrections"] == 0, greet
+    assert all(r["thumbs"] == 0 for t, r in rows.items() if t != "greet"), rows
+    # feedback -> served: a number of seconds for a tenant whose trained version served, else none
+    assert all(r["freshness_p50"] is None or r["freshness_p50"] > 0 for r in rows.values()), rows
     assert any(r["learner_steps"] > 0 for r in rows.values()), rows
     phases = report["phases"]
     assert set(phases) == {"startup_s", "base_eval_s", "learning_s", "final_eval_s", "total_s"}

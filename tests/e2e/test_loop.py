@@ -3,7 +3,8 @@
 chat through the OpenAI gateway (served by vLLM) -> operator corrections through the webhook
 -> Kafka -> ingest worker -> Redis buffer -> learner trains and publishes v1 (PEFT folder)
 -> serving hot-swaps it in -> the next answers come from v1, and vLLM's logprobs for them
-match the learner-side model (transformers + PEFT loading the same folder).
+match the learner-side model (transformers + PEFT loading the same folder). The version's
+first completion measures how long its corrections took to be served (freshness).
 
 Every service is the real one, started by `clora up` in a child process.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -37,6 +39,7 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
 
     client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=0, timeout=120)
     prompts = [f"favourite colour {i}?" for i in range(8)]
+    first_feedback = time.time()
     for p in prompts:  # served by the base model: the tenant has no version yet
         resp = client.chat.completions.create(model="acme", messages=[{"role": "user", "content": p}],
                                               max_tokens=8, temperature=0)
@@ -79,6 +82,19 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
     # lineage: the version knows the feedback window it was trained on
     meta = next(v for v in versions()["versions"] if v["version"] == live)
     assert meta["feedback_window"] and meta["examples_seen"] >= 4
+
+    # freshness: the pinned completion above was the live version's first; its gateway measured
+    # every correction first trained in it, from the correction's 202 to that completion
+    freshness = lambda: httpx.get(f"{platform['console']}/api/tenants/acme/freshness", headers=admin).json()
+    summary = wait_for(lambda: next((v for v in freshness()["versions"] if v["version"] == live), None), 60,
+                       interval=0.5, what=f"acme v{live}'s freshness summary")
+    elapsed = time.time() - first_feedback
+    assert summary["events"] >= 1 and 0 < summary["p50_s"] <= summary["p99_s"] < elapsed, (summary, elapsed)
+    assert 0 <= summary["published_to_served_s"] < summary["p50_s"]
+    metrics = httpx.get(f"http://127.0.0.1:{platform['env']['CLORA_GATEWAY_METRICS_PORT']}/metrics").text
+    observed = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith('clora_feedback_to_served_seconds_count{tenant="acme"}'))
+    assert observed == freshness()["events"] == sum(v["events"] for v in freshness()["versions"])
 
 
 def _learner_greedy(model_dir: Path, adapter: Path, messages, n: int) -> list[int]:

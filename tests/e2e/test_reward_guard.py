@@ -1,6 +1,7 @@
 """The reward guard through the whole platform, on a tiny model:
 
-corrections train two versions -> each serves answers (pinned by name through the gateway)
+corrections train two versions (`sft`: the scores below judge versions, they do not train them)
+-> each serves answers (pinned by name through the gateway)
 -> their rewards arrive as feedback through the webhook -> Kafka -> the ingest worker tallies
 them per serving version in Redis -> the learner sees the live version earn less than its
 parent and rolls it back -> the gateway serves the parent again under the tenant's name.
@@ -32,9 +33,8 @@ def test_a_live_version_that_earns_less_than_its_parent_is_rolled_back(platform,
     key = json.loads(out.stdout)["api_key"]
     auth = {"Authorization": f"Bearer {key}"}
     r = httpx.patch(f"{platform['console']}/api/tenants/{TENANT}/policy", headers=admin,
-                    json={"batch_size": 4, "min_new_examples": 4, "fresh_fraction": 1.0, "learning_rate": 0.02,
-                          "eval_tolerance": 1.0,
-                          "reward_guard_min_samples": 4})
+                    json={"algorithm": "sft", "batch_size": 4, "min_new_examples": 4, "fresh_fraction": 1.0,
+                          "learning_rate": 0.02, "eval_tolerance": 1.0, "reward_guard_min_samples": 4})
     assert r.status_code == 200, r.text
     client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=0, timeout=120)
     console = f"{platform['console']}/api/tenants/{TENANT}"

@@ -66,7 +66,11 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
     r = httpx.patch(f"{platform['console']}/api/tenants/{TENANT}/policy", headers=admin,
                     json={"algorithm": "rl", "learning_rate": 0.08, "batch_size": group * prompts,
                           "min_new_examples": group, "eval_tolerance": 1.0,
-                          "reward_guard": False})   # each step must serve a newer version than the last
+                          "reward_guard": False,    # each step must serve a newer version than the last
+                          # a reward for letters on a random tiny model: its replies may well collapse
+                          # (the hacking guard's case, tests/e2e/test_hacking_guard.py), and its KL from
+                          # the base says nothing
+                          "hacking_guard": False, "drift_tolerance": None})
     assert r.status_code == 200, r.text
 
     client = OpenAI(base_url=platform["gateway"] + "/v1", api_key=key, max_retries=2, timeout=120)

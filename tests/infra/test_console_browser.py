@@ -115,6 +115,32 @@ def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker
     shot(page, "tenant-feedback")
 
 
+def test_what_the_guards_did_is_shown_as_an_alert(page, registry, tenant_id):
+    from clora.registry import TenantAlert
+
+    registry.create_tenant(tenant_id, name="Hacked")
+    reason = f"reward hacking: v3 was rolled back to v2: mean reward 0.917 vs v2's 0.188 ({tenant_id})"
+    registry.update_policy(tenant_id, paused=True, paused_reason=reason)
+    registry.record_alert(tenant_id, TenantAlert(kind="reward_hacking", detail=reason.removeprefix("reward hacking: "),
+                                                 version=3, rolled_back_to=2))
+    registry.append_metrics(tenant_id, {"step": 4, "refused": "drift 5.100 nats/token from the base on 16 general "
+                                        "prompts exceeds the tenant's tolerance 3.000", "drift": 5.1})
+    page.reload()
+    alert = page.wait_for_selector(f"#alerts p:has-text('{tenant_id}')")
+    assert reason in alert.inner_text()
+    row = page.wait_for_selector(f"tr[data-tenant='{tenant_id}']")
+    assert {p.inner_text() for p in row.query_selector_all(".pill.failing")} == {"reward hacking", "drift refused"}
+    shot(page, "guard-alerts")
+    alert.query_selector("a").click()
+    assert reason in page.wait_for_selector("#guard-alert").inner_text()
+    assert "exceeds the tenant's tolerance 3.000" in page.wait_for_selector("#drift-refusal").inner_text()
+    assert "reward hacking: v3 was rolled back to v2" in page.wait_for_selector("#alert-history").inner_text()
+    shot(page, "tenant-guard-alert")
+    page.click("#pause-toggle")                                # resume: the alert is dealt with
+    page.wait_for_selector("#state:has-text('learning')")
+    assert page.query_selector("#guard-alert") is None and registry.get_tenant(tenant_id).policy.paused_reason is None
+
+
 def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_id, request):
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.schemas import RLSample
@@ -175,6 +201,30 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
     page.click("#policy-form button[type=submit]")
     page.wait_for_selector("#policy-msg.error:has-text('learning_rate')")
     shot(page, "tenant-after-rollback")
+
+
+def test_the_tenant_page_shows_each_versions_feedback_to_served_latency(page, registry, tenant_id, request):
+    from clora.freshness import FreshnessSummary, VersionLineage
+
+    registry.create_tenant(tenant_id, name="Fresh")
+    lineages = {1: VersionLineage(), 2: VersionLineage(accepted_at={"fb-1": 100.0, "fb-2": 110.0})}  # v1: imported
+    for v, lineage in lineages.items():
+        registry.record_lineage(tenant_id, v, lineage)
+        registry.record_adapter_version(tenant_id, AdapterVersion(
+            version=v, path=f"/a/{tenant_id}/v{v}", base_model="tiny", parent_version=v - 1 if v > 1 else None,
+            created_at=60.0 * v + 5))
+        served = 60.0 * v + 5 + 2.5 * v                                 # v2: 10 s after fb-2, 20 s after fb-1
+        registry.claim_first_served(tenant_id, v, served)
+        registry.record_freshness(tenant_id, v, FreshnessSummary.of(lineage, served, 60.0 * v + 5))
+    registry.set_live_version(tenant_id, 2)
+    request.addfinalizer(lambda: registry.set_live_version(tenant_id, None))   # no folders: see above
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    page.wait_for_selector("#live-version:has-text('v2')")
+    assert page.inner_text("#freshness-summary") == "feedback → served: p50 25.0 s, p99 29.9 s over 2 events"
+    assert page.inner_text("tr[data-version='2'] td.freshness") == "25.0 / 29.9 s (2)"
+    assert page.inner_text("tr[data-version='1'] td.freshness") == "no feedback (2.5 s to serve)"
+    assert page.locator("#freshness circle.dot").count() == 4      # v2's p50 and p99; both versions' publish -> served
+    shot(page, "tenant-freshness")
 
 
 def test_hostile_text_is_escaped(page, stack, registry, webhook, ingest_worker, tenant_id):

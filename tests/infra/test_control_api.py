@@ -20,7 +20,7 @@ ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenan
           ("DELETE", "/api/tenants/x/keys/k"), ("GET", "/api/tenants/x/versions"),
           ("POST", "/api/tenants/x/rollback"), ("GET", "/api/tenants/x/feedback"), ("GET", "/api/dlq"),
           ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers"),
-          ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events")]
+          ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events"), ("GET", "/api/tenants/x/freshness")]
 
 
 def admin(console) -> dict[str, str]:
@@ -153,6 +153,28 @@ def test_versions_the_learner_deleted_are_gone_from_the_api(console, registry, t
     assert r.status_code == 404
 
 
+def test_each_served_versions_feedback_to_served_latency_is_listed_with_the_tenants(console, registry, tenant_id,
+                                                                                  request):
+    from clora.freshness import FreshnessSummary, VersionLineage
+
+    registry.create_tenant(tenant_id)
+    _versions(registry, tenant_id, 3)
+    request.addfinalizer(lambda: registry.set_live_version(tenant_id, None))
+    get = lambda route: httpx.get(f"{console.url}/api/tenants/{tenant_id}/{route}", headers=admin(console)).json()
+    assert get("freshness") == {"events": 0, "p50_s": None, "p99_s": None, "versions": []}
+    for v, events in ((2, {"fb-1": 100.0}), (3, {"fb-2": 190.0, "fb-3": 196.0})):   # v1: never served
+        registry.record_lineage(tenant_id, v, VersionLineage(accepted_at=events))
+        registry.claim_first_served(tenant_id, v, 100.0 * v)
+        registry.record_freshness(tenant_id, v, FreshnessSummary.of(registry.lineage(tenant_id, v), 100.0 * v,
+                                                                    100.0 * v - 4))
+    fresh = get("freshness")
+    assert (fresh["events"], fresh["p50_s"]) == (3, 104.0)          # the median of 100, 110 and 104 s
+    assert [(v["version"], v["events"], v["p50_s"], v["published_to_served_s"]) for v in fresh["versions"]] == \
+        [(2, 1, 100.0, 4.0), (3, 2, 107.0, 4.0)]
+    listed = {v["version"]: v["freshness"] for v in get("versions")["versions"]}
+    assert listed[1] is None and listed[3]["p99_s"] == pytest.approx(109.94)
+
+
 def test_a_failing_tenant_shows_its_last_error_until_a_step_succeeds(console, registry, tenant_id):
     registry.create_tenant(tenant_id)
 
@@ -166,6 +188,31 @@ def test_a_failing_tenant_shows_its_last_error_until_a_step_succeeds(console, re
     assert summary()["training_error"]["error"] == "OSError: [Errno 28] No space left on device"
     registry.append_metrics(tenant_id, {"step": 2, "loss": 0.4})   # it trains again
     assert summary()["training_error"] is None
+
+
+def test_what_the_guards_did_shows_until_it_is_dealt_with(console, registry, tenant_id):
+    """The reward-hacking guard's pause (its reason and alert) shows until an operator resumes;
+    the forgetting guard's refusal until a version is published."""
+    from clora.registry import TenantAlert
+
+    registry.create_tenant(tenant_id)
+    url, headers = f"{console.url}/api/tenants/{tenant_id}", admin(console)
+    listed = lambda: next(t for t in httpx.get(f"{console.url}/api/tenants", headers=headers).json()["tenants"]
+                          if t["id"] == tenant_id)
+    assert listed()["paused_reason"] is None and listed()["drift_refusal"] is None
+    registry.update_policy(tenant_id, paused=True, paused_reason="reward hacking: v3 was rolled back to v2: ...")
+    registry.record_alert(tenant_id, TenantAlert(kind="reward_hacking", detail="v3 hacked its reward", version=3,
+                                                 rolled_back_to=2, facts={"degraded": ["empty"]}))
+    registry.append_metrics(tenant_id, {"step": 7, "refused": "drift 5.100 nats/token ... exceeds ...", "drift": 5.1})
+    assert listed()["paused_reason"].startswith("reward hacking: v3")
+    detail = httpx.get(url, headers=headers).json()
+    assert [(a["kind"], a["version"], a["rolled_back_to"]) for a in detail["alerts"]] == [("reward_hacking", 3, 2)]
+    assert detail["drift_refusal"] == {"reason": "drift 5.100 nats/token ... exceeds ...", "drift": 5.1,
+                                       "time": detail["drift_refusal"]["time"], "step": 7}
+    assert httpx.post(f"{url}/resume", headers=headers).json()["paused_reason"] is None
+    registry.append_metrics(tenant_id, {"step": 9, "eval": 0.3, "version": 4})
+    assert listed()["paused_reason"] is None and listed()["drift_refusal"] is None
+    assert len(httpx.get(url, headers=headers).json()["alerts"]) == 1      # the alert stays in the record
 
 
 def test_rollback_and_promote_are_announced(stack, console, registry, tenant_id, request):
@@ -232,7 +279,7 @@ def test_a_new_tenant_that_cannot_be_is_422_naming_the_field(console, registry, 
 
 @pytest.mark.parametrize("suffix", [":keys", ":versions", ":live", "%0A", ":metrics"])
 @pytest.mark.parametrize("route", ["", "/versions", "/buffers", "/feedback", "/metrics", "/traffic", "/policy",
-                                   "/keys"])
+                                   "/keys", "/freshness"])
 def test_an_id_that_would_reach_another_redis_key_is_404_naming_tenant_id(console, registry, tenant_id, suffix, route):
     """`acme:keys` once read acme's key hash as a tenant (WRONGTYPE, 500)."""
     _, key = registry.create_tenant(tenant_id)

@@ -31,13 +31,17 @@ OPERATIONS = [
     ("POST", "/api/tenants/{tenant_id}/rollback"), ("GET", "/api/tenants/{tenant_id}/buffers"),
     ("GET", "/api/tenants/{tenant_id}/feedback"), ("GET", "/api/tenants/{tenant_id}/metrics"),
     ("GET", "/api/tenants/{tenant_id}/traffic"), ("GET", "/api/dlq"), ("POST", "/api/dlq/{event_id}/replay"),
-    ("GET", "/api/platform/events"),
+    ("GET", "/api/platform/events"), ("GET", "/api/tenants/{tenant_id}/freshness"),
 ]
 """Every operation of the control API's schema (`test_every_operation_is_fuzzed` keeps the list whole)."""
 
 POLICY_FIELDS = ["paused", "algorithm", "learning_rate", "batch_size", "weight", "priority", "min_new_examples",
                  "buffer_capacity", "eval_tolerance", "fresh_fraction", "reward_guard", "reward_guard_min_samples",
-                 "reward_guard_margin"]
+                 "reward_guard_margin", "reward_spec", "unpaired", "kto_beta", "kto_desirable_weight",
+                 "kto_undesirable_weight", "sft_weight", "dpo_weight", "pg_weight", "kto_weight", "desirable_reward",
+                 "reward_baseline_momentum", "paused_reason", "drift_tolerance", "hacking_guard",
+                 "hacking_guard_min_replies", "hacking_guard_empty_rise", "hacking_guard_bad_tool_call_rise",
+                 "hacking_guard_length_factor", "hacking_guard_diversity_fraction"]
 ODD_KEYS = ["tenant_id", "self", "", "__class__", "paused ", "PAUSED", "a\x00b", "\ud800", "model_config", "id",
             "x" * 1000, "structured_outputs"]
 """Body keys a policy edit must refuse: the names of `update_policy`'s own parameters among them."""
@@ -62,6 +66,12 @@ def test_every_operation_is_fuzzed(console):
     schema = schemathesis.openapi.from_url(f"{console.url}/openapi.json")
     found = {(op.ok().method.upper(), op.ok().path) for op in schema.get_all_operations()}
     assert found == set(OPERATIONS)
+
+
+def test_every_policy_field_is_fuzzed():
+    from clora.registry import LearningPolicy
+
+    assert sorted(POLICY_FIELDS) == sorted(LearningPolicy.model_fields)
 
 
 @pytest.mark.parametrize("method, path, ids", [(m, p, ids) for m, p in OPERATIONS

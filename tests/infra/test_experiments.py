@@ -267,19 +267,19 @@ def test_a_batch_the_learner_skips_for_no_reward_spread_ends_the_train_phase(tmp
 
 
 def test_mode_b_splits_the_cores_between_learner_and_engine_unless_the_environment_says(tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "environ", dict(os.environ))  # _platform_env rewrites CLORA_*: keep it in this test
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # platform_env rewrites CLORA_*: keep it in this test
     for k in CORE_SPLIT:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
     bench = Bench(BenchConfig(ns=(2,)), root=tmp_path)
-    bench._platform_env("concurrent", concurrent=True)
+    bench.launcher.platform_env("concurrent", concurrent=True)
     assert {k: os.environ[k] for k in CORE_SPLIT} == {"CLORA_LEARNER_NUM_THREADS": "2", "CLORA_ENGINE_RESERVED_CPUS": "2"}
-    bench._platform_env("seq-0")  # mode A: every phase on every core, the platform's defaults
+    bench.launcher.platform_env("seq-0")  # mode A: every phase on every core, the platform's defaults
     assert not any(k in os.environ for k in CORE_SPLIT)
 
     monkeypatch.setenv("CLORA_LEARNER_NUM_THREADS", "3")
     bench = Bench(BenchConfig(ns=(2,)), root=tmp_path)
     for concurrent in (True, False):
-        bench._platform_env("x", concurrent=concurrent)
+        bench.launcher.platform_env("x", concurrent=concurrent)
         assert os.environ["CLORA_LEARNER_NUM_THREADS"] == "3"
     assert "CLORA_ENGINE_RESERVED_CPUS" not in os.environ

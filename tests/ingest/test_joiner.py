@@ -44,6 +44,19 @@ def test_score_gives_rl_sample_with_behaviour_logprobs():
     assert later.episode_id == "i1"
 
 
+def test_every_example_carries_its_feedbacks_accept_time_and_old_ones_parse_without_it():
+    fb = _fb(score=1.0, time=5.0, correction={"role": "assistant", "content": "4"})
+    assert fb.accepted_at is not None and fb.time == 5.0          # the server's clock, apart from the client's claim
+    examples = build_examples(_ix(), fb)
+    assert [e.kind for e in examples] == ["sft", "preference", "rl"]
+    assert {e.accepted_at for e in examples} == {fb.accepted_at}
+    # an event and an example stored before accept times were recorded
+    old = schemas.FeedbackEvent.model_validate_json(fb.model_dump_json(exclude={"accepted_at"}))
+    assert old.accepted_at is None and build_examples(_ix(), old)[0].accepted_at is None
+    stored = examples[0].model_dump(exclude={"accepted_at"})
+    assert schemas.SFTExample.model_validate(stored).accepted_at is None
+
+
 def test_comment_only_gives_nothing():
     assert build_examples(_ix(), _fb(comment="meh")) == []
 

@@ -60,6 +60,21 @@ def test_feedback_becomes_training_examples(stack, registry, redis_client, webho
              and depth(redis_client, tid, "rl") == 1, what="sft + preference + rl examples")
 
 
+def test_the_webhook_stamps_its_accept_time_and_the_examples_carry_it(stack, registry, redis_client, webhook,
+                                                                       ingest_worker, tenant, wait_for):
+    tid, key = tenant
+    serve_interaction(stack, registry, tid, "chatcmpl-at1")
+    before = time.time()
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={
+        "interaction_id": "chatcmpl-at1", "source": "operator", "time": 1_000.0,   # the client's own claim
+        "correction": {"role": "assistant", "content": "4"}})
+    answered = time.time()
+    assert r.status_code == 202, r.text
+    buf = ReplayBuffer(redis_client)
+    (sft,) = wait_for(lambda: buf.latest(tid, "sft") + buf.heldout(tid, "sft"), what="the correction's SFT example")
+    assert before <= sft.accepted_at <= answered and sft.time == 1_000.0
+
+
 def test_feedback_before_interaction_is_joined(stack, registry, redis_client, webhook, ingest_worker, tenant, wait_for):
     tid, key = tenant
     r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key),

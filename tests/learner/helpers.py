@@ -50,9 +50,25 @@ class FakeRegistry:
         self.versions: dict[str, dict[int, object]] = {}
         self.live: dict[str, int | None] = {}
         self.history: dict[str, list[dict]] = {}
+        self.alerts_by_tenant: dict[str, list] = {}
+        self.lineages: dict[str, dict[int, object]] = {}
 
     def list_tenants(self):
         return list(self.tenants.values())
+
+    def get_tenant(self, tenant_id):
+        return self.tenants[tenant_id]
+
+    def update_policy(self, tenant_id, /, **changes):
+        t = self.tenants[tenant_id]
+        t.policy = LearningPolicy.model_validate({**t.policy.model_dump(), **changes})
+        return t.policy
+
+    def record_alert(self, tenant_id, alert):
+        self.alerts_by_tenant.setdefault(tenant_id, []).insert(0, alert)
+
+    def alerts(self, tenant_id, n=20):
+        return self.alerts_by_tenant.get(tenant_id, [])[:n]
 
     def record_adapter_version(self, tenant_id, version):
         self.versions.setdefault(tenant_id, {})[version.version] = version
@@ -77,6 +93,14 @@ class FakeRegistry:
     def live_version(self, tenant_id):
         return self.live.get(tenant_id)
 
+    def record_lineage(self, tenant_id, version, lineage):
+        self.lineages.setdefault(tenant_id, {})[version] = lineage
+
+    def lineage(self, tenant_id, version):
+        from clora.freshness import VersionLineage
+
+        return self.lineages.get(tenant_id, {}).get(version, VersionLineage())
+
 
 class FakeBuffer:
     """In-memory stand-in for clora.ingest.buffers.ReplayBuffer's learner-facing reads."""
@@ -84,6 +108,23 @@ class FakeBuffer:
     def __init__(self):
         self.data: dict[tuple[str, str], list] = {}
         self.held: dict[tuple[str, str], list] = {}
+        self.replies: dict[str, list] = {}
+        """Per tenant, the `ReplyTraits` of every reply served (`serve`)."""
+
+    def serve(self, tenant, traits):
+        self.replies.setdefault(tenant, []).append(traits)
+
+    def served_signals(self, tenant):
+        from clora.ingest.signals import DIVERSITY_WINDOW, ServedSignals
+
+        by_version: dict = {}
+        for t in self.replies.get(tenant, []):
+            by_version.setdefault(t.version, []).append(t)
+        return {v: ServedSignals(n=len(ts), empty=sum(t.empty for t in ts), tool_calls=sum(t.tool_call for t in ts),
+                                 bad_tool_calls=sum(t.bad_tool_call for t in ts), chars=sum(t.length for t in ts),
+                                 chars_sq=sum(t.length ** 2 for t in ts),
+                                 distinct=len({t.fingerprint for t in ts[:DIVERSITY_WINDOW]}))
+                for v, ts in by_version.items()}
 
     def add(self, example, held_out: bool = False):
         (self.held if held_out else self.data).setdefault((example.tenant, example.kind), []).append(example)

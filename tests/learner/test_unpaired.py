@@ -162,7 +162,7 @@ def test_fresh_across_takes_the_oldest_examples_of_every_kind_without_skipping_a
 
 
 def test_the_registry_policy_takes_auto_and_kto_and_checks_their_fields():
-    assert LearningPolicy().algorithm == "sft" and LearningPolicy().unpaired == "pg"
+    assert LearningPolicy().algorithm == "auto" and LearningPolicy().unpaired == "pg"
     assert LearningPolicy(algorithm="auto", unpaired="kto").unpaired == "kto"
     for bad in ({"unpaired": "dpo"}, {"kto_beta": 0}, {"reward_baseline_momentum": 1.0}, {"pg_weight": -1},
                 {"algorithm": "auto", "sft_weight": 0, "dpo_weight": 0, "pg_weight": 0, "kto_weight": 0},
@@ -221,20 +221,26 @@ def test_thumbs_alone_move_a_tenant_toward_the_rewarded_answer(tiny, unpaired):
     assert tr.store.state("t").reward_baseline == pytest.approx(0.5)      # every step's mean is 0.5
 
 
-def test_a_learner_tenant_with_only_thumbs_under_auto_learns_the_rewarded_answer(world, tiny_model_dir):
+def _thumbs_learner(settings, reg, buf, tiny_model_dir) -> Learner:
+    """A learner beside a tenant `thumbs` (auto, batch 4) whose buffer holds 12 thumbs: "blue"
+    up, "red" down, alternating, and one held-out "blue" up."""
     from clora.learner.base_model import load_base_model
 
-    settings, reg, buf = world
-    for t in ("acme", "beta"):
-        reg.tenants[t].policy.paused = True
     reg.tenants["thumbs"] = Tenant(id="thumbs", policy=LearningPolicy(algorithm="auto", learning_rate=2e-2,
                                                                       batch_size=4, min_new_examples=4))
     for i in range(12):
         buf.add(thumb("thumbs", i, "blue" if i % 2 == 0 else "red", 1.0 if i % 2 == 0 else 0.0))
     buf.add(thumb("thumbs", 99, "blue", 1.0), held_out=True)
     model, tok = load_base_model(tiny_model_dir)
-    lr = Learner(settings, model, tok, registry=reg, buffer=buf, announce=lambda e: None,
-                 base_model_name=str(tiny_model_dir), metrics=LearnerMetrics())
+    return Learner(settings, model, tok, registry=reg, buffer=buf, announce=lambda e: None,
+                   base_model_name=str(tiny_model_dir), metrics=LearnerMetrics())
+
+
+def test_a_learner_tenant_with_only_thumbs_under_auto_learns_the_rewarded_answer(world, tiny_model_dir):
+    settings, reg, buf = world
+    for t in ("acme", "beta"):
+        reg.tenants[t].policy.paused = True
+    lr = _thumbs_learner(settings, reg, buf, tiny_model_dir)
     assert lr.lifecycle.admit(reg.tenants["thumbs"])                  # registered as the loop would
     blue, red = _answer_logprob(lr.trainer, "thumbs", "blue"), _answer_logprob(lr.trainer, "thumbs", "red")
     trained = [lr.tick() for _ in range(4)]
@@ -247,20 +253,11 @@ def test_a_learner_tenant_with_only_thumbs_under_auto_learns_the_rewarded_answer
 
 
 def test_in_fused_mode_an_auto_tenant_takes_serial_steps_beside_the_fused_ones(world, tiny_model_dir):
-    from clora.learner.base_model import load_base_model
-
     settings, reg, buf = world
     settings = settings.model_copy(update={"training_mode": "fused", "fused_max_tenants": 2,
                                            "fused_max_chunk_tokens": 64})
     reg.tenants["beta"].policy.paused = True
-    reg.tenants["thumbs"] = Tenant(id="thumbs", policy=LearningPolicy(algorithm="auto", learning_rate=2e-2,
-                                                                      batch_size=4, min_new_examples=4))
-    for i in range(12):
-        buf.add(thumb("thumbs", i, "blue" if i % 2 == 0 else "red", 1.0 if i % 2 == 0 else 0.0))
-    buf.add(thumb("thumbs", 99, "blue", 1.0), held_out=True)
-    model, tok = load_base_model(tiny_model_dir)
-    lr = Learner(settings, model, tok, registry=reg, buffer=buf, announce=lambda e: None,
-                 base_model_name=str(tiny_model_dir), metrics=LearnerMetrics())
+    lr = _thumbs_learner(settings, reg, buf, tiny_model_dir)
     assert lr.fused is not None and lr.lifecycle.admit(reg.tenants["thumbs"])
     blue = _answer_logprob(lr.trainer, "thumbs", "blue")
     trained = [set(lr.tick_fused()) for _ in range(4)]

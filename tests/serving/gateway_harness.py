@@ -42,6 +42,9 @@ class FakeRegistry:
     def adapter_version(self, tenant: str, version: int) -> AdapterVersion:
         return AdapterVersion(version=version, path=f"/adapters/{tenant}/v{version}", base_model="tiny")
 
+    def claim_first_served(self, tenant: str, version: int, at: float) -> bool:
+        return False  # as if another gateway had served it first: nothing to measure here
+
 
 class FakeSwapper:
     async def live_ref(self, tenant: str) -> AdapterRef:
