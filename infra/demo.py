@@ -89,12 +89,21 @@ examples, so it never ships, so the traffic never produces the second-turn corre
 would fix it."""
 
 THUMBS_POLICY = {"algorithm": "auto", "unpaired": "kto", "kto_desirable_weight": 4.0, "learning_rate": 2e-3,
-                 "batch_size": 8,
-                 "min_new_examples": 8,
+                 "batch_size": 8, "min_new_examples": 8, "eval_tolerance": 1.0,
                  "reward_spec": {"keys": {"thumbs": {"type": "bool", "sources": ["user"]}}}}
-"""The thumbs tenant hears only a user's thumbs: the reward spec takes `thumbs` from users,
-and `auto` trains each thumbed reply with the ungrouped policy gradient against the tenant's
-running mean reward (nothing else reaches its buffer)."""
+"""The thumbs tenant hears only a user's thumbs: the reward spec takes `thumbs` from users, and
+`auto` trains each thumbed reply (nothing else reaches its buffer) with KTO: a thumbed-up reply
+is desirable, a thumbed-down one undesirable. About 1 reply in 7 earns a thumbs up at first, so
+a desirable reply weighs 4x an undesirable one (`kto_desirable_weight`; the KTO paper keeps
+lambda_D * desirable / (lambda_U * undesirable) between 1 and 4/3).
+
+Its publish gate is loose (up to 2x live's held-out loss), as calc's is: the held-out loss of a
+thumbs-only tenant is the likelihood of its few held-out thumbed-up replies, a tenth of them
+flipped, which says little about what users will like; with the default tolerance it refused
+every candidate after the second in a run here. What protects it instead is what its versions
+earn once served: the reward guard rolls back a version whose thumbs fall, the reward-hacking
+guard one whose replies degenerate, and the forgetting guard refuses one that drifts from the
+base."""
 
 THUMBS_NOISE = 0.1
 """Share of the simulated user's thumbs that are flipped."""
