@@ -79,13 +79,19 @@ def test_the_gate_refuses_a_candidate_beyond_the_tenants_tolerance_and_says_why(
 
 
 def test_a_tenant_a_guard_paused_publishes_nothing(world, tiny_model_dir, monkeypatch):
-    """The guards' round runs after the tick has picked who trains: a tenant the reward-hacking
-    guard paused in it still takes the step it was picked for, but does not publish it."""
+    """A tenant a guard pauses after it was picked (another learner's guard, while this one
+    draws its batch) still takes the step it was picked for, but does not publish it. (A pause
+    by this learner's own guards comes before the pick: `test_hacking_guard`.)"""
     _, reg, _ = world
     reg.tenants["beta"].policy.paused = True
     lr = _learner(world, tiny_model_dir, [])
-    monkeypatch.setattr(lr.rollback, "round", lambda tenants: reg.update_policy(
-        "acme", paused=True, paused_reason="reward hacking: ..."))
+    draw = lr.sampler.draw
+
+    def paused_while_drawing(tid, policy):
+        reg.update_policy("acme", paused=True, paused_reason="reward hacking: ...")
+        return draw(tid, policy)
+
+    monkeypatch.setattr(lr.sampler, "draw", paused_while_drawing)
     assert lr.tick() == "acme"
     assert reg.adapter_versions("acme") == []
     assert lr.metrics.registry.get_sample_value("clora_learner_publishes_total",
