@@ -33,6 +33,7 @@ bench-results/freshness.json) with every event.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -226,7 +227,8 @@ class FreshnessBench:
         self.console.print(f"[bold]clora bench freshness[/]: {c.tenants} tenants, {c.minutes:g} min of "
                            f"{c.requests_per_s:g} completions/s and {c.feedback_per_s:g} corrections/s each, model "
                            f"{c.model}; data under {self.root}")
-        with self.launcher.data_kept_on_failure(c.keep, self.console):
+        ok = False
+        try:
             self.launcher.prepare_model()
             platform, stack = self.launcher.start("freshness", concurrent=True)
             try:
@@ -239,6 +241,12 @@ class FreshnessBench:
                 report = self._report(registry, admin, streams)
             finally:
                 platform.stop()
+            ok = True
+        finally:
+            if ok and not c.keep:
+                shutil.rmtree(self.root, ignore_errors=True)
+            elif not ok:
+                self.console.print(f"[red]failed[/]: platform logs kept under {self.root}")
         self.console.print(table(report))
         self._verdict(report)
         out = Path(c.out)
