@@ -7,6 +7,8 @@ Keys (all under `clora:`):
     clora:tenant:{id}                  JSON of `Tenant` (policy included)
     clora:tenant:{id}:keys             hash key_id -> JSON of `ApiKeyRecord` (hash, created, revoked)
     clora:apikey:{sha256(key)}         the tenant id and key id a key belongs to (lookup)
+    clora:tenant:{id}:tinker_keys      hash key_id -> JSON of `ApiKeyRecord`: the tenant's Tinker keys
+    clora:tinkerkey:{sha256(key)}      the tenant id and key id a Tinker key belongs to (lookup)
     clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
     clora:tenant:{id}:live             the live version number
     clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
@@ -26,6 +28,11 @@ have): `acme:keys` must never reach the key of tenant `acme`'s keys.
 API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
 256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
 or rotation.
+
+Tinker keys (`clora.trainapi`, the Tinker-compatible training API) look like
+`tml-<key id>_<secret>`: the official SDK refuses any key without the `tml-` prefix. They are
+stored the same way but in their own namespace, so a tenant key never opens the training API
+and a Tinker key never opens the gateway or the webhook.
 """
 
 from __future__ import annotations
@@ -293,10 +300,15 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def new_api_key() -> tuple[str, str]:
-    """A fresh (key_id, key). The key embeds its id so a leaked log line names the key."""
+def new_api_key(prefix: str = "clk_") -> tuple[str, str]:
+    """A fresh (key_id, key). The key embeds its id so a leaked log line names the key.
+    `prefix`: `clk_` for tenant keys, `tml-` for Tinker keys."""
     key_id = secrets.token_hex(4)
-    return key_id, f"clk_{key_id}_{secrets.token_urlsafe(32)}"
+    return key_id, f"{prefix}{key_id}_{secrets.token_urlsafe(32)}"
+
+
+TINKER_KEY_PREFIX = "tml-"
+"""What a Tinker key starts with (the SDK checks it on the client)."""
 
 
 class Registry:
@@ -398,6 +410,44 @@ class Registry:
         if not key.startswith("clk_") or len(key) > 200:
             return None
         raw = self.r.get(PREFIX + "apikey:" + hash_key(key))
+        if raw is None:
+            return None
+        return ApiKeyPrincipal.model_validate_json(raw)
+
+    # --- Tinker keys (the training API's) -----------------------------------------------------
+
+    def create_tinker_key(self, tenant_id: str) -> str:
+        """A new Tinker key for the tenant (`tml-<key id>_<secret>`), shown once."""
+        self.get_tenant(tenant_id)   # TenantNotFound for an unknown tenant
+        key_id, key = new_api_key(TINKER_KEY_PREFIX)
+        rec = ApiKeyRecord(key_id=key_id, sha256=hash_key(key), created_at=time.time())
+        pipe = self.r.pipeline()
+        pipe.hset(self._tkey(tenant_id) + ":tinker_keys", key_id, rec.model_dump_json())
+        pipe.set(PREFIX + "tinkerkey:" + rec.sha256, json.dumps({"tenant": tenant_id, "key_id": key_id}))
+        pipe.execute()
+        return key
+
+    def list_tinker_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        raw = self.r.hgetall(self._tkey(tenant_id) + ":tinker_keys")
+        return sorted((ApiKeyRecord.model_validate_json(v) for v in raw.values()), key=lambda k: k.created_at)
+
+    def revoke_tinker_key(self, tenant_id: str, key_id: str) -> None:
+        raw = self.r.hget(self._tkey(tenant_id) + ":tinker_keys", key_id)
+        if raw is None:
+            raise RegistryError(f"tenant {tenant_id!r} has no Tinker key {key_id!r}")
+        rec = ApiKeyRecord.model_validate_json(raw)
+        rec.revoked_at = rec.revoked_at or time.time()
+        pipe = self.r.pipeline()
+        pipe.hset(self._tkey(tenant_id) + ":tinker_keys", key_id, rec.model_dump_json())
+        pipe.delete(PREFIX + "tinkerkey:" + rec.sha256)
+        pipe.execute()
+
+    def authenticate_tinker(self, key: str) -> ApiKeyPrincipal | None:
+        """The tenant a Tinker key belongs to, or None for an unknown or revoked key (and for
+        any tenant key or admin token: they live in other namespaces)."""
+        if not key.startswith(TINKER_KEY_PREFIX) or len(key) > 200:
+            return None
+        raw = self.r.get(PREFIX + "tinkerkey:" + hash_key(key))
         if raw is None:
             return None
         return ApiKeyPrincipal.model_validate_json(raw)
