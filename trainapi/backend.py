@@ -120,7 +120,7 @@ class InProcessBackend:
                     chunk = data[i:i + mb]
                     p, mask, inputs = self._target_logprobs(chunk)
                     loss = tinker_loss(loss_fn, p, inputs, mask, config)
-                    if not math.isfinite(float(loss)):
+                    if not math.isfinite(float(loss.detach())):
                         raise FloatingPointError(f"{loss_fn} loss is {float(loss)} on datums {i}..{i + len(chunk) - 1}")
                     if not forward_only:
                         loss.backward()
