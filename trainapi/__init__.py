@@ -16,6 +16,7 @@ continuously learned adapter. Requests name it by the model id the SDK builds,
 | `losses`                   | `cross_entropy`, `importance_sampling`, `ppo` as token sums on the learner's loss math |
 | `wire`                     | the protobuf messages (private pool), decoding requests, encoding results, zstd |
 | `tinker_public_descriptor` | the SDK's `tinker_public.proto` schema, vendored as a serialized descriptor |
+| `weights`                  | `tinker://` paths, checkpoint folders per tenant, atomic writes |
 | `settings`                 | `TrainApiSettings` (`CLORA_TRAINAPI_*`) |
 
 LoRA shape: one rank per learner, attention and MLP projections. `create_model` refuses another

@@ -14,7 +14,11 @@ Routes (docs/tinker-protocol.md §4, §11): the handshake (`client/config`, `cli
 their model's `seq_id` order (`Sequencer`) and run one at a time on a single worker thread in
 the order accepted; their results are fetched with `retrieve_future`.
 
-Weights (`save_weights*`, `load_weights`, `weights_info`) and sampling are the next phase.
+Weights (`trainapi.weights`): `save_weights` (adapter + Adam state, resumable),
+`save_weights_for_sampler` in its named form (a PEFT adapter folder), `load_weights` (in the
+model's order, or creating the model from a checkpoint) and `weights_info`. Every checkpoint path
+resolves under the asking tenant's own folder. Sampling, and the ephemeral
+`save_weights_for_sampler` that feeds it, are the next phase.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 import logging
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -42,6 +47,8 @@ from clora.trainapi.losses import check_call
 from clora.trainapi.runs import Session, TinkerModel, model_id_of
 from clora.trainapi.sequencer import Sequencer, SeqError
 from clora.trainapi.settings import TrainApiSettings
+from clora.trainapi.weights import KINDS as KINDS_ALL, CheckpointDir, CheckpointInfo, NotFound, TinkerPath, \
+    check_name, parse_path
 from clora.trainapi.wire import WireError, decode_forward_backward, decompress, forward_backward_json, \
     forward_backward_output
 from clora.web import HttpError, body_too_large, install_error_handlers, read_body
@@ -108,6 +115,38 @@ class OptimStepRequest(_Body):
     optimizer_params: dict[str, Any] | None = None
 
 
+class SaveWeightsRequest(_Body):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+    """The checkpoint's name (not a tinker:// path); None: one is generated."""
+    overwrite: bool = False
+
+
+class SaveForSamplerRequest(_Body):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+    """The name; None is the ephemeral form (with `sampling_session_seq_id`)."""
+
+
+class LoadWeightsRequest(_Body):
+    """Form B `{model_id, seq_id}` loads into a model in its order; form A `{session_id,
+    model_seq_id}` creates the model from the checkpoint (docs/tinker-protocol.md §4.4)."""
+
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = Field(default=None, ge=0)
+    base_model: str | None = None
+
+
+class WeightsInfoRequest(_Body):
+    tinker_path: str
+
+
 class RetrieveRequest(_Body):
     request_id: str
     allow_metadata_only: bool = False
@@ -122,6 +161,7 @@ class TrainApi:
         self.models: dict[str, TinkerModel] = {}
         self.futures = FutureStore(settings.future_ttl_s, settings.max_futures)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainapi-worker")
+        self.checkpoints = CheckpointDir(settings.checkpoints_dir)
 
     # --- ownership ------------------------------------------------------------------------
 
@@ -145,6 +185,23 @@ class TrainApi:
             raise HttpError(404, "model_not_found", f"no model {model_id!r}", "model_id")
         return m
 
+    def checkpoint(self, tenant: str, path: str, kinds: tuple[str, ...] = ("weights",),
+                   field: str = "path") -> tuple[TinkerPath, Path, CheckpointInfo]:
+        """`tenant`'s checkpoint at `path`: 400 for a malformed path or another kind, 404 for
+        one it does not have (another tenant's included)."""
+        try:
+            p = parse_path(path, field)
+        except WireError as e:
+            raise HttpError(400, "invalid_path", str(e), field) from e
+        if p.kind not in kinds:
+            raise HttpError(400, "invalid_path", f"{field}: {path!r} is a {p.kind} path; this call takes "
+                            f"{' or '.join(kinds)}", field)
+        try:
+            folder, info = self.checkpoints.find(tenant, p, field)
+        except NotFound as e:
+            raise HttpError(404, "checkpoint_not_found", str(e), field) from e
+        return p, folder, info
+
     # --- running requests -------------------------------------------------------------------
 
     def submit(self, f: Future, job: Callable[[], Any]) -> None:
@@ -156,7 +213,7 @@ class TrainApi:
             e = task.exception()
             if e is None:
                 self.futures.complete(f.request_id, task.result())
-            elif isinstance(e, (WireError, ValueError, FloatingPointError)):
+            elif isinstance(e, (WireError, ValueError, FloatingPointError, FileExistsError)):
                 self.futures.fail(f.request_id, str(e), "user")
             else:
                 log.error("training request %s of %s failed", f.request_id, f.model_id, exc_info=e)
@@ -182,6 +239,9 @@ class TrainApi:
         except WireError as e:
             m.sequencer.refuse(seq_id, 400, e.field, str(e))
             raise HttpError(400, "invalid_request", str(e), e.field) from e
+        except HttpError as e:
+            m.sequencer.refuse(seq_id, e.status, e.field, e.message)
+            raise
         f = self.futures.create(m.tenant, m.model_id, kind)
         m.sequencer.accept(seq_id, f.request_id)
         self.submit(f, job)
@@ -372,6 +432,123 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
             return {"type": "optim_step", "metrics": metrics}
 
         return api.sequenced(m, body.seq_id, "json", check, job)
+
+    # --- weights ------------------------------------------------------------------------------
+
+    def save(m: TinkerModel, kind: str, name: str, overwrite: bool, optimizer: bool) -> dict:
+        """The job writing `m`'s checkpoint `name` of `kind` atomically; its path."""
+        p = TinkerPath(m.model_id, kind, name)
+        caps = backend.capabilities()
+
+        def fill(folder: Path) -> CheckpointInfo:
+            step = backend.save_state(m.key, folder, settings.base_model, optimizer)
+            return CheckpointInfo(path=str(p), tenant=m.tenant, base_model=settings.base_model, lora_rank=m.rank,
+                                  train_attn=caps.train_attn, train_mlp=caps.train_mlp, step=step,
+                                  has_optimizer=optimizer, created_at=time.time())
+
+        api.checkpoints.write(m.tenant, p, overwrite, fill)
+        return {"type": "save_weights" if kind == "weights" else "save_weights_for_sampler", "path": str(p)}
+
+    def unused_name(m: TinkerModel, kind: str, name: str, overwrite: bool) -> None:
+        if not overwrite and api.checkpoints.folder(m.tenant, TinkerPath(m.model_id, kind, name)).exists():
+            raise HttpError(400, "checkpoint_exists", f"path: checkpoint {name!r} of {m.model_id!r} exists; "
+                            "pass overwrite=True to replace it", "path")
+
+    @app.post(f"{v1}/save_weights")
+    async def save_weights(request: Request, body: SaveWeightsRequest) -> dict:
+        m = api.model(await api.tenant(request), body.model_id)
+        name = body.path if body.path is not None else f"seq-{body.seq_id}-{uuid.uuid4().hex[:8]}"
+
+        def check() -> None:
+            check_name(name)
+            unused_name(m, "weights", name, body.overwrite)
+
+        return api.sequenced(m, body.seq_id, "json", check,
+                             lambda: save(m, "weights", name, body.overwrite, optimizer=True))
+
+    @app.post(f"{v1}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request, body: SaveForSamplerRequest) -> dict:
+        m = api.model(await api.tenant(request), body.model_id)
+        name = body.path
+
+        def check() -> None:
+            if name is None:
+                raise WireError("path", "is required: the ephemeral form (save_weights_and_get_sampling_client) "
+                                        "needs sampling, which this server does not serve yet")
+            check_name(name)
+            unused_name(m, "sampler_weights", name, overwrite=False)
+
+        # TODO(issue 19, next phase): publish the folder as `tenant@vN` through the learner's
+        # `Publisher` (registry record + AdapterEvent), which needs the cross-process backend.
+        return api.sequenced(m, body.seq_id, "json", check,
+                             lambda: save(m, "sampler_weights", name, False, optimizer=False))
+
+    @app.post(f"{v1}/load_weights")
+    async def load_weights(request: Request, body: LoadWeightsRequest) -> dict:
+        tenant = await api.tenant(request)
+        if body.session_id is not None:
+            return create_from_checkpoint(tenant, body)
+        if body.model_id is None or body.seq_id is None:
+            raise HttpError(400, "invalid_request", "load_weights takes {model_id, seq_id} or {session_id, "
+                            "model_seq_id}", "model_id")
+        m = api.model(tenant, body.model_id)
+        found: list[Path] = []
+
+        def check() -> None:
+            _, folder, info = api.checkpoint(tenant, body.path)
+            check_loadable(info, body.optimizer, m.rank)
+            found.append(folder)
+
+        def job() -> dict:
+            backend.load_state(m.key, found[0], body.optimizer)
+            return {"type": "load_weights", "path": body.path}
+
+        return api.sequenced(m, body.seq_id, "json", check, job)
+
+    def check_loadable(info: CheckpointInfo, optimizer: bool, rank: int) -> None:
+        if info.lora_rank != rank or info.base_model != settings.base_model:
+            raise HttpError(400, "incompatible_checkpoint", f"path: the checkpoint is a rank {info.lora_rank} "
+                            f"adapter of {info.base_model!r}; this model is rank {rank} on {settings.base_model!r}",
+                            "path")
+        if optimizer and not info.has_optimizer:
+            raise HttpError(400, "no_optimizer_state", "optimizer: the checkpoint holds no optimizer state",
+                            "optimizer")
+
+    def create_from_checkpoint(tenant: str, body: LoadWeightsRequest) -> dict:
+        """Form A: a new model `{session_id}:train:{model_seq_id}` from the checkpoint; the load
+        is its seq 0, so its first training request is seq 1."""
+        s = api.session(tenant, body.session_id)
+        if body.model_seq_id is None:
+            raise HttpError(400, "invalid_request", "model_seq_id is required with session_id", "model_seq_id")
+        model_id = model_id_of(s.session_id, body.model_seq_id)
+        existing = api.models.get(model_id)
+        if existing is not None:   # a retried POST
+            return {"request_id": existing.create_request_id, "model_id": model_id}
+        if body.base_model is not None and body.base_model != settings.base_model:
+            raise HttpError(400, "unsupported_model", f"base_model {body.base_model!r} is not served here",
+                            "base_model")
+        _, folder, info = api.checkpoint(tenant, body.path)
+        check_loadable(info, body.optimizer, backend.capabilities().rank)
+        f = api.futures.create(tenant, model_id, "json")
+        m = TinkerModel(model_id=model_id, session_id=s.session_id, tenant=tenant, key=run_key(tenant, model_id),
+                        rank=info.lora_rank, create_request_id=f.request_id,
+                        sequencer=Sequencer(first=1, keep=settings.max_seq_ids_kept))
+        api.models[model_id] = m
+
+        def job() -> dict:
+            backend.create(m.key, _seed(model_id))
+            backend.load_state(m.key, folder, body.optimizer)
+            return {"type": "load_weights", "path": body.path, "model_id": model_id}
+
+        api.submit(f, job)
+        return {"request_id": f.request_id, "model_id": model_id}
+
+    @app.post(f"{v1}/weights_info")
+    async def weights_info(request: Request, body: WeightsInfoRequest) -> dict:
+        _, _, info = api.checkpoint(await api.tenant(request), body.tinker_path, KINDS_ALL, "tinker_path")
+        return {"base_model": info.base_model, "is_lora": True, "lora_rank": info.lora_rank,
+                "train_unembed": False, "train_mlp": info.train_mlp, "train_attn": info.train_attn,
+                "optimizer_config": {"type": "adamw"}}
 
     # --- futures ------------------------------------------------------------------------------
 

@@ -18,15 +18,20 @@ Calls on one backend come from one worker thread, in each model's `seq_id` order
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from clora.learner.adapter_store import GRAD, MASTER, ROWS, AdapterState
+from clora.learner.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from clora.learner.optim import AdamConfig, adam_step
+from clora.learner.peft_io import read_adapter, write_adapter
 from clora.learner.trainer import Trainer
 from clora.trainapi.losses import tinker_loss
 from clora.trainapi.wire import ForwardBackwardResult, TinkerDatum
@@ -83,6 +88,14 @@ class TrainingBackend(Protocol):
 
     def optim_step(self, key: str, adam: AdamParams) -> dict[str, float]:
         """One AdamW step from the accumulated gradient, which it then zeroes; metrics."""
+
+    def save_state(self, key: str, folder: Path, base_model: str, optimizer: bool) -> int:
+        """Write the run's adapter into the existing `folder` as PEFT files and, with `optimizer`,
+        its whole training state (Adam moments, step, RNG) as `state.safetensors`; its step."""
+
+    def load_state(self, key: str, folder: Path, optimizer: bool) -> None:
+        """Set the run's weights to those saved in `folder`, dropping any accumulated gradient:
+        with `optimizer` its Adam moments, step and RNG too, else fresh Adam state (step 0)."""
 
 
 class InProcessBackend:
@@ -170,3 +183,24 @@ class InProcessBackend:
         st.micro_steps = 0
         slot.sync_weights()
         return {"grad_norm:mean": norm, "step:max": float(st.step)}
+
+    def save_state(self, key: str, folder: Path, base_model: str, optimizer: bool) -> int:
+        st = self.store.state(key)   # the host copy, flushed from the device
+        write_adapter(folder, self.model.layout, st.master, base_model)
+        if optimizer:   # the learner's checkpoint format, named for the folder rather than the run
+            save_checkpoint(folder, dataclasses.replace(st, tenant="state"), self.model.layout.numel)
+        return st.step
+
+    def load_state(self, key: str, folder: Path, optimizer: bool) -> None:
+        layout = self.model.layout
+        cur = self.store.peek(key)
+        if optimizer:
+            saved = load_checkpoint(checkpoint_path(folder, "state"), layout.numel)
+            new = dataclasses.replace(saved, tenant=key, micro_steps=0)
+            new.buffer[GRAD].zero_()
+        else:
+            buffer = torch.zeros(ROWS, layout.numel, dtype=torch.float32)   # (4, P)
+            buffer[MASTER].copy_(read_adapter(folder, layout))
+            new = AdapterState(tenant=key, seed=cur.seed, buffer=buffer, rng_state=cur.rng_state.clone(),
+                               examples_seen=cur.examples_seen)
+        self.store.put(new)   # replaces the run's state, resident copy included

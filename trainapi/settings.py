@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
@@ -38,6 +40,8 @@ class TrainApiSettings(BaseSettings):
     """Datums per `forward_backward` request the SDK sends at most."""
     fwdbwd_max_chunk_bytes: int = Field(default=4_000_000, ge=1024)
     """Estimated protobuf bytes per `forward_backward` request the SDK sends at most."""
+    checkpoints_dir: Path = Path(".clora/trainapi/checkpoints")
+    """Saved weights: `<checkpoints_dir>/<tenant>/<model_id>/{weights,sampler_weights}/<name>/`."""
     max_seq_ids_kept: int = Field(default=1024, ge=1)
     """Accepted `seq_id`s remembered per model, so a retried POST finds its request again."""
 

@@ -29,7 +29,7 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture()
-def service(tiny_dir, monkeypatch):
+def service(tiny_dir, monkeypatch, tmp_path):
     """(url, backend) of a fresh training API on the tiny model."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def service(tiny_dir, monkeypatch):
                                        TrainerConfig(micro_batch_size=4)))
     settings = TrainApiSettings(base_model="tiny", tokenizer_id=str(tiny_dir), retrieve_hold_s=0.5,
                                 max_body_bytes=64 * 1024, max_decompressed_bytes=256 * 1024,
-                                fwdbwd_max_chunk_bytes=64 * 1024)
+                                fwdbwd_max_chunk_bytes=64 * 1024, checkpoints_dir=tmp_path / "checkpoints")
 
     def authenticate(key: str) -> ApiKeyPrincipal | None:
         tenant = KEYS.get(key)
