@@ -1,6 +1,6 @@
 """The Tinker-compatible HTTP door: the routes the official `tinker` SDK 0.38 calls, under `/api/v1`.
 
-    create_app(settings, authenticate, backend) -> FastAPI
+    create_app(settings, authenticate, redis) -> FastAPI
 
 `authenticate` maps an `X-API-Key` to its tenant (`Registry.authenticate_tinker`: only `tml-`
 keys; tenant keys and admin tokens never open this door). Every error is a non-empty JSON body
@@ -10,15 +10,14 @@ network fault and retries it. No logic error is 409, which the SDK retries too.
 Routes (docs/tinker-protocol.md §4, §11): the handshake (`client/config`, `client/dynamic_config`,
 `telemetry`), sessions (`create_session`, `session_heartbeat`, `sessions/{id}/finish`,
 `get_server_capabilities`, `healthz`), models (`create_model`, `get_info`), training
-(`forward_backward`, `optim_step`) and `retrieve_future`. Training requests are checked, put in
-their model's `seq_id` order (`Sequencer`) and run one at a time on a single worker thread in
-the order accepted; their results are fetched with `retrieve_future`.
+(`forward_backward`, `optim_step`), weights (`save_weights`, `save_weights_for_sampler`,
+`load_weights`, `weights_info`), sampling (`clora.trainapi.sampling`) and `retrieve_future`.
 
-Weights (`trainapi.weights`): `save_weights` (adapter + Adam state, resumable),
-`save_weights_for_sampler` in its named form (a PEFT adapter folder), `load_weights` (in the
-model's order, or creating the model from a checkpoint) and `weights_info`. Every checkpoint path
-resolves under the asking tenant's own folder. Sampling, and the ephemeral
-`save_weights_for_sampler` that feeds it, are the next phase.
+This process holds no model. A request is checked here (against the capabilities the learner
+published, `queue.read_caps`), put in its model's `seq_id` order (`Sequencer`) and enqueued in
+Redis (`clora.trainapi.queue`); the learner runs it when its scheduler picks the run
+(`clora.trainapi.executor`) and records the outcome, which `retrieve_future` long-polls. Every
+checkpoint path resolves under the asking tenant's own folder.
 """
 
 from __future__ import annotations
@@ -28,11 +27,9 @@ import hashlib
 import logging
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -41,16 +38,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clora.registry import ApiKeyPrincipal
-from clora.trainapi.backend import AdamParams, TrainingBackend, run_key
-from clora.trainapi.futures import Future, FutureStore
+from clora.trainapi import queue
+from clora.trainapi.backend import LoraCapabilities, run_key
 from clora.trainapi.losses import check_call
 from clora.trainapi.runs import Session, TinkerModel, model_id_of
 from clora.trainapi.sequencer import Sequencer, SeqError
 from clora.trainapi.settings import TrainApiSettings
 from clora.trainapi.weights import KINDS as KINDS_ALL, CheckpointDir, CheckpointInfo, NotFound, TinkerPath, \
     check_name, parse_path
-from clora.trainapi.wire import WireError, decode_forward_backward, decompress, forward_backward_json, \
-    forward_backward_output
+from clora.trainapi.wire import WireError, decode_forward_backward, decompress
 from clora.web import HttpError, body_too_large, install_error_handlers, read_body
 
 log = logging.getLogger(__name__)
@@ -128,6 +124,7 @@ class SaveForSamplerRequest(_Body):
     seq_id: int
     path: str | None = None
     """The name; None is the ephemeral form (with `sampling_session_seq_id`)."""
+    sampling_session_seq_id: int | None = Field(default=None, ge=0)
 
 
 class LoadWeightsRequest(_Body):
@@ -153,15 +150,15 @@ class RetrieveRequest(_Body):
 
 
 class TrainApi:
-    """The service's state: sessions, models, futures and the worker the backend runs on."""
+    """The service's state: sessions and models (this process's memory), and the Redis client
+    its requests and their futures go through."""
 
-    def __init__(self, settings: TrainApiSettings, authenticate: Authenticate, backend: TrainingBackend):
-        self.settings, self.authenticate, self.backend = settings, authenticate, backend
+    def __init__(self, settings: TrainApiSettings, authenticate: Authenticate, redis):
+        self.settings, self.authenticate, self.redis = settings, authenticate, redis
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TinkerModel] = {}
-        self.futures = FutureStore(settings.future_ttl_s, settings.max_futures)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainapi-worker")
         self.checkpoints = CheckpointDir(settings.checkpoints_dir)
+        self._enqueue_locks: dict[str, asyncio.Lock] = {}
 
     # --- ownership ------------------------------------------------------------------------
 
@@ -185,6 +182,13 @@ class TrainApi:
             raise HttpError(404, "model_not_found", f"no model {model_id!r}", "model_id")
         return m
 
+    async def caps(self) -> LoraCapabilities:
+        """What the learner can hold; 503 until a learner has started and said so."""
+        caps = await queue.read_caps(self.redis)
+        if caps is None:
+            raise HttpError(503, "learner_unavailable", "no learner has started yet; retry shortly", "base_model")
+        return LoraCapabilities(**caps)
+
     def checkpoint(self, tenant: str, path: str, kinds: tuple[str, ...] = ("weights",),
                    field: str = "path") -> tuple[TinkerPath, Path, CheckpointInfo]:
         """`tenant`'s checkpoint at `path`: 400 for a malformed path or another kind, 404 for
@@ -204,27 +208,20 @@ class TrainApi:
 
     # --- running requests -------------------------------------------------------------------
 
-    def submit(self, f: Future, job: Callable[[], Any]) -> None:
-        """Run `job` on the worker after everything submitted before it; its result or error
-        finishes `f`."""
-        done = asyncio.get_running_loop().run_in_executor(self.worker, job)
+    async def enqueue(self, m: TinkerModel, rid: str, kind: queue.Kind, op: str, args: dict[str, Any],
+                      payload: bytes | None = None) -> None:
+        """Hand request `rid` of `m` to the learner, after every request of `m` accepted before it
+        (the lock is taken in the order of acceptance, before any await)."""
+        lock = self._enqueue_locks.setdefault(m.model_id, asyncio.Lock())
+        async with lock:
+            await queue.enqueue(self.redis, m.key, rid, m.tenant, m.model_id, kind, op, args, payload)
 
-        def finish(task: asyncio.Future) -> None:
-            e = task.exception()
-            if e is None:
-                self.futures.complete(f.request_id, task.result())
-            elif isinstance(e, (WireError, ValueError, FloatingPointError, FileExistsError)):
-                self.futures.fail(f.request_id, str(e), "user")
-            else:
-                log.error("training request %s of %s failed", f.request_id, f.model_id, exc_info=e)
-                self.futures.fail(f.request_id, f"{type(e).__name__}: {e}", "server")
-
-        done.add_done_callback(finish)
-
-    def sequenced(self, m: TinkerModel, seq_id: int, kind: Literal["json", "forward_backward"],
-                  check: Callable[[], None], job: Callable[[], Any]) -> dict:
+    async def sequenced(self, m: TinkerModel, seq_id: int, kind: queue.Kind, check: Callable[[], None],
+                        op: str, args: Callable[[], dict[str, Any]] | dict[str, Any],
+                        payload: bytes | None = None) -> dict:
         """The future of request `seq_id` of model `m`: a retry's own again; else, once `check`
-        passes, a new one running `job` in order. `check`'s refusal uses up the seq_id."""
+        passes, a new request `op` with `args` for the learner, in order. `check`'s refusal uses
+        up the seq_id."""
         try:
             seen = m.sequencer.check(seq_id)
         except SeqError as e:
@@ -242,34 +239,35 @@ class TrainApi:
         except HttpError as e:
             m.sequencer.refuse(seq_id, e.status, e.field, e.message)
             raise
-        f = self.futures.create(m.tenant, m.model_id, kind)
-        m.sequencer.accept(seq_id, f.request_id)
-        self.submit(f, job)
-        return {"request_id": f.request_id, "model_id": m.model_id}
+        rid = str(uuid.uuid4())
+        m.sequencer.accept(seq_id, rid)
+        await self.enqueue(m, rid, kind, op, args() if callable(args) else args, payload)
+        return {"request_id": rid, "model_id": m.model_id}
 
-    def render(self, f: Future, accept: str) -> Response:
-        if f.state == "failed":
-            return JSONResponse({"error": f.error, "category": f.category})
-        if f.kind == "forward_backward":
-            if PROTOBUF in accept:
-                return Response(forward_backward_output(f.result), media_type=PROTOBUF)
-            return JSONResponse(forward_backward_json(f.result))
-        return JSONResponse(f.result)
+    def render(self, o: queue.Outcome, accept: str) -> Response:
+        if o.state == "failed":
+            return JSONResponse({"error": o.error, "category": o.category})
+        if o.kind != "json" and o.result is not None and PROTOBUF in accept:
+            return Response(o.result, media_type=PROTOBUF)
+        return JSONResponse(o.result_json)
+
+
+ADAM_FIELDS = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"}
+
+
+def sampling_session_id(session_id: str, sampling_session_seq_id: int) -> str:
+    """The id of a session's sampling session number `n`: `{session_id}:sample:{n}`."""
+    return f"{session_id}:sample:{sampling_session_seq_id}"
 
 
 def _seed(model_id: str) -> int:
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "little")
 
 
-def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: TrainingBackend) -> FastAPI:
-    api = TrainApi(settings, authenticate, backend)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        yield
-        api.worker.shutdown(wait=True, cancel_futures=True)
-
-    app = FastAPI(title="clora Tinker-compatible training API", lifespan=lifespan)
+def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) -> FastAPI:
+    """The app on `redis` (a `redis.asyncio.Redis` without decoded responses)."""
+    api = TrainApi(settings, authenticate, redis)
+    app = FastAPI(title="clora Tinker-compatible training API")
     app.state.trainapi = api
     install_error_handlers(app, "clora")
 
@@ -350,7 +348,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
         existing = api.models.get(model_id)
         if existing is not None:   # a retried POST
             return {"request_id": existing.create_request_id, "model_id": model_id}
-        caps, lora = backend.capabilities(), body.lora_config
+        caps, lora = await api.caps(), body.lora_config
         if body.base_model != settings.base_model:
             raise HttpError(400, "unsupported_model", f"base_model {body.base_model!r} is not served here; "
                             f"use {settings.base_model!r}", "base_model")
@@ -365,21 +363,16 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
         if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
             raise HttpError(400, "unsupported_optimizer", f"optimizer {body.optimizer_config.type!r} is not "
                             "supported: adamw only", "optimizer_config.type")
-        f = api.futures.create(tenant, model_id, "json")
-        api.models[model_id] = TinkerModel(model_id=model_id, session_id=s.session_id, tenant=tenant,
-                                           key=run_key(tenant, model_id), rank=lora.rank,
-                                           create_request_id=f.request_id,
-                                           sequencer=Sequencer(first=1, keep=settings.max_seq_ids_kept),
-                                           train_unembed_requested=lora.train_unembed)
-        seed = lora.seed if lora.seed is not None else _seed(model_id)
-        key = api.models[model_id].key
-
-        def job() -> dict:
-            backend.create(key, seed)
-            return {"type": "create_model", "model_id": model_id}
-
-        api.submit(f, job)
-        return {"request_id": f.request_id, "model_id": model_id}
+        rid = str(uuid.uuid4())
+        m = TinkerModel(model_id=model_id, session_id=s.session_id, tenant=tenant, key=run_key(tenant, model_id),
+                        rank=lora.rank, create_request_id=rid,
+                        sequencer=Sequencer(first=1, keep=settings.max_seq_ids_kept),
+                        train_unembed_requested=lora.train_unembed)
+        api.models[model_id] = m
+        await queue.register_run(api.redis, m.key, tenant, model_id,
+                                 lora.seed if lora.seed is not None else _seed(model_id))
+        await api.enqueue(m, rid, "json", "create", {})
+        return {"request_id": rid, "model_id": model_id}
 
     @app.post(f"{v1}/get_info")
     async def get_info(request: Request, body: ModelRequest) -> dict:
@@ -406,15 +399,12 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
         except WireError as e:
             raise HttpError(400, "invalid_request", str(e), e.field) from e
         m = api.model(tenant, call.model_id)
-        caps = backend.capabilities()
+        caps = await api.caps()
 
         def check() -> None:
             check_call(call.loss_fn, call.data, call.loss_fn_config, caps.vocab_size, settings.max_context_length)
 
-        def job():
-            return backend.forward_backward(m.key, call.data, call.loss_fn, call.loss_fn_config, call.forward_only)
-
-        return api.sequenced(m, call.seq_id, "forward_backward", check, job)
+        return await api.sequenced(m, call.seq_id, "forward_backward", check, "forward_backward", {}, raw)
 
     @app.post(f"{v1}/optim_step")
     async def optim_step(request: Request, body: OptimStepRequest) -> dict:
@@ -426,28 +416,10 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
                 raise WireError("adam_params", "is required: this server runs AdamW only"
                                 if body.optimizer_params is not None else "is required")
 
-        def job() -> dict:
-            metrics = backend.optim_step(m.key, AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps,
-                                                           p.weight_decay, p.grad_clip_norm))
-            return {"type": "optim_step", "metrics": metrics}
-
-        return api.sequenced(m, body.seq_id, "json", check, job)
+        return await api.sequenced(m, body.seq_id, "json", check, "optim_step",
+                                   lambda: {"adam": p.model_dump(include=ADAM_FIELDS)})
 
     # --- weights ------------------------------------------------------------------------------
-
-    def save(m: TinkerModel, kind: str, name: str, overwrite: bool, optimizer: bool) -> dict:
-        """The job writing `m`'s checkpoint `name` of `kind` atomically; its path."""
-        p = TinkerPath(m.model_id, kind, name)
-        caps = backend.capabilities()
-
-        def fill(folder: Path) -> CheckpointInfo:
-            step = backend.save_state(m.key, folder, settings.base_model, optimizer)
-            return CheckpointInfo(path=str(p), tenant=m.tenant, base_model=settings.base_model, lora_rank=m.rank,
-                                  train_attn=caps.train_attn, train_mlp=caps.train_mlp, step=step,
-                                  has_optimizer=optimizer, created_at=time.time())
-
-        api.checkpoints.write(m.tenant, p, overwrite, fill)
-        return {"type": "save_weights" if kind == "weights" else "save_weights_for_sampler", "path": str(p)}
 
     def unused_name(m: TinkerModel, kind: str, name: str, overwrite: bool) -> None:
         if not overwrite and api.checkpoints.folder(m.tenant, TinkerPath(m.model_id, kind, name)).exists():
@@ -463,31 +435,33 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
             check_name(name)
             unused_name(m, "weights", name, body.overwrite)
 
-        return api.sequenced(m, body.seq_id, "json", check,
-                             lambda: save(m, "weights", name, body.overwrite, optimizer=True))
+        return await api.sequenced(m, body.seq_id, "json", check, "save",
+                                   {"kind": "weights", "name": name, "overwrite": body.overwrite})
 
     @app.post(f"{v1}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request, body: SaveForSamplerRequest) -> dict:
         m = api.model(await api.tenant(request), body.model_id)
-        name = body.path
+        ephemeral = body.path is None
+        # The ephemeral form (`save_weights_and_get_sampling_client`) names its version itself and
+        # answers a sampling session on it, which the learner records once the version is out.
+        name = body.path if not ephemeral else f"ephemeral-{body.seq_id}-{uuid.uuid4().hex[:8]}"
+        args: dict[str, Any] = {"kind": "sampler_weights", "name": name, "overwrite": False}
 
         def check() -> None:
-            if name is None:
-                raise WireError("path", "is required: the ephemeral form (save_weights_and_get_sampling_client) "
-                                        "needs sampling, which this server does not serve yet")
+            if ephemeral and body.sampling_session_seq_id is None:
+                raise WireError("path", "is required (or sampling_session_seq_id, for the ephemeral form)")
             check_name(name)
             unused_name(m, "sampler_weights", name, overwrite=False)
+            if ephemeral:
+                args["sampling_session_id"] = sampling_session_id(m.session_id, body.sampling_session_seq_id)
 
-        # TODO(issue 19, next phase): publish the folder as `tenant@vN` through the learner's
-        # `Publisher` (registry record + AdapterEvent), which needs the cross-process backend.
-        return api.sequenced(m, body.seq_id, "json", check,
-                             lambda: save(m, "sampler_weights", name, False, optimizer=False))
+        return await api.sequenced(m, body.seq_id, "json", check, "save", args)
 
     @app.post(f"{v1}/load_weights")
     async def load_weights(request: Request, body: LoadWeightsRequest) -> dict:
         tenant = await api.tenant(request)
         if body.session_id is not None:
-            return create_from_checkpoint(tenant, body)
+            return await create_from_checkpoint(tenant, body)
         if body.model_id is None or body.seq_id is None:
             raise HttpError(400, "invalid_request", "load_weights takes {model_id, seq_id} or {session_id, "
                             "model_seq_id}", "model_id")
@@ -499,11 +473,9 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
             check_loadable(info, body.optimizer, m.rank)
             found.append(folder)
 
-        def job() -> dict:
-            backend.load_state(m.key, found[0], body.optimizer)
-            return {"type": "load_weights", "path": body.path}
-
-        return api.sequenced(m, body.seq_id, "json", check, job)
+        return await api.sequenced(m, body.seq_id, "json", check, "load",
+                                   lambda: {"folder": str(found[0]), "optimizer": body.optimizer,
+                                            "path": body.path})
 
     def check_loadable(info: CheckpointInfo, optimizer: bool, rank: int) -> None:
         if info.lora_rank != rank or info.base_model != settings.base_model:
@@ -514,7 +486,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
             raise HttpError(400, "no_optimizer_state", "optimizer: the checkpoint holds no optimizer state",
                             "optimizer")
 
-    def create_from_checkpoint(tenant: str, body: LoadWeightsRequest) -> dict:
+    async def create_from_checkpoint(tenant: str, body: LoadWeightsRequest) -> dict:
         """Form A: a new model `{session_id}:train:{model_seq_id}` from the checkpoint; the load
         is its seq 0, so its first training request is seq 1."""
         s = api.session(tenant, body.session_id)
@@ -528,20 +500,17 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
             raise HttpError(400, "unsupported_model", f"base_model {body.base_model!r} is not served here",
                             "base_model")
         _, folder, info = api.checkpoint(tenant, body.path)
-        check_loadable(info, body.optimizer, backend.capabilities().rank)
-        f = api.futures.create(tenant, model_id, "json")
+        check_loadable(info, body.optimizer, (await api.caps()).rank)
+        rid = str(uuid.uuid4())
         m = TinkerModel(model_id=model_id, session_id=s.session_id, tenant=tenant, key=run_key(tenant, model_id),
-                        rank=info.lora_rank, create_request_id=f.request_id,
+                        rank=info.lora_rank, create_request_id=rid,
                         sequencer=Sequencer(first=1, keep=settings.max_seq_ids_kept))
         api.models[model_id] = m
-
-        def job() -> dict:
-            backend.create(m.key, _seed(model_id))
-            backend.load_state(m.key, folder, body.optimizer)
-            return {"type": "load_weights", "path": body.path, "model_id": model_id}
-
-        api.submit(f, job)
-        return {"request_id": f.request_id, "model_id": model_id}
+        await queue.register_run(api.redis, m.key, tenant, model_id, _seed(model_id))
+        await api.enqueue(m, str(uuid.uuid4()), "json", "create", {})
+        await api.enqueue(m, rid, "json", "load", {"folder": str(folder), "optimizer": body.optimizer,
+                                                   "path": body.path, "creates": True})
+        return {"request_id": rid, "model_id": model_id}
 
     @app.post(f"{v1}/weights_info")
     async def weights_info(request: Request, body: WeightsInfoRequest) -> dict:
@@ -555,16 +524,21 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, backend: 
     @app.post(f"{v1}/retrieve_future")
     async def retrieve_future(request: Request, body: RetrieveRequest) -> Response:
         tenant = await api.tenant(request)
-        f = api.futures.get(body.request_id)
-        if f is None:
+        o = await queue.outcome(api.redis, body.request_id)
+        if o is None:
             raise HttpError(410, "request_expired", f"request {body.request_id!r} is unknown or expired",
                             "request_id")
-        if f.tenant != tenant:
+        if o.tenant != tenant:
             raise HttpError(404, "request_not_found", f"no request {body.request_id!r}", "request_id")
-        f = await api.futures.wait(f, settings.retrieve_hold_s)
-        if f.state == "pending":
-            return JSONResponse({"type": "try_again", "request_id": f.request_id, "queue_state": "active"},
+        deadline = time.monotonic() + settings.retrieve_hold_s
+        while o is not None and o.state == "pending" and time.monotonic() < deadline:
+            await asyncio.sleep(settings.retrieve_poll_s)
+            o = await queue.outcome(api.redis, body.request_id)
+        if o is None:
+            raise HttpError(410, "request_expired", f"request {body.request_id!r} expired", "request_id")
+        if o.state == "pending":
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"},
                                 status_code=408)
-        return api.render(f, request.headers.get("accept", ""))
+        return api.render(o, request.headers.get("accept", ""))
 
     return app

@@ -26,10 +26,10 @@ class TrainApiSettings(BaseSettings):
     retrieve_hold_s: float = Field(default=25.0, ge=0, le=40)
     """How long `retrieve_future` holds a pending request before answering 408 `try_again`; under
     the SDK's 45 s read timeout."""
+    retrieve_poll_s: float = Field(default=0.02, gt=0, le=1)
+    """How often a held `retrieve_future` looks for its request's outcome in Redis."""
     future_ttl_s: float = Field(default=3600.0, gt=0)
     """How long a finished request's result is kept; after that its id answers 410."""
-    max_futures: int = Field(default=100_000, ge=1)
-    """Finished results kept at most (the oldest are dropped first, answering 410)."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """A request body as sent (compressed or not) at most; larger is 413."""
     max_decompressed_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
@@ -44,6 +44,18 @@ class TrainApiSettings(BaseSettings):
     """Saved weights: `<checkpoints_dir>/<tenant>/<model_id>/{weights,sampler_weights}/<name>/`."""
     max_seq_ids_kept: int = Field(default=1024, ge=1)
     """Accepted `seq_id`s remembered per model, so a retried POST finds its request again."""
+    gateway_url: str = "http://127.0.0.1:8000"
+    """clora's gateway (`CLORA_GATEWAY_PORT`): `asample` runs there, on the shared engine, through its
+    Tinker sampling route with the caller's own Tinker key (`clora.trainapi.sampling`)."""
+    gateway_base_model: str = "base"
+    """The name the gateway serves the base model under (`CLORA_ENGINE_BASE_NAME`): what a sampling
+    session of `base_model` samples."""
+    sample_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest one `asample` may take, waiting out the gateway's 429s and 503s included; past it the
+    request fails (category `server`)."""
+    max_samples_in_flight: int = Field(default=256, ge=1)
+    """`asample` requests one tenant may have running in this service; more answer 429, which the
+    SDK waits out and resends (the gateway's own per-tenant quota applies on top)."""
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> "TrainApiSettings":

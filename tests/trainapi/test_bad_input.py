@@ -11,7 +11,13 @@ pb = pytest.importorskip("tinker.proto.tinker_public_pb2")
 
 from .conftest import RANK  # noqa: E402
 
-ACME = {"X-API-Key": "tml-acme-key"}
+ACME: dict[str, str] = {}
+"""acme's Tinker key header (set for each test from the service's registry)."""
+
+
+@pytest.fixture(autouse=True)
+def _acme_key(service):
+    ACME["X-API-Key"] = service.keys["acme"]
 
 
 def post(url, path, body, headers=ACME, **kw):
@@ -63,17 +69,17 @@ def assert_error(r, status: int, field: str):
 
 
 def test_a_wrong_or_foreign_key_is_401(service):
-    url, _ = service
+    url = service.url
     for key in ("", "tml-nope", "clk_abc_def"):
         assert_error(post(url, "client/config", {"sdk_version": "0.38.0"}, headers={"X-API-Key": key}), 401,
                      "X-API-Key")
 
 
 def test_another_tenants_model_is_404_and_untouched(service):
-    url, backend = service
+    url, backend = service.url, service.work.backend
     model_id = new_model(url)
     before = state(backend, model_id)
-    beta = {"X-API-Key": "tml-beta-key"}
+    beta = {"X-API-Key": service.keys["beta"]}
     assert_error(post(url, "get_info", {"model_id": model_id}, headers=beta), 404, "model_id")
     assert_error(fwdbwd(url, fwdbwd_body(model_id, 1), headers=beta), 404, "model_id")
     assert_error(post(url, "optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {
@@ -83,7 +89,7 @@ def test_another_tenants_model_is_404_and_untouched(service):
 
 
 def test_a_seq_gap_is_400_and_the_next_in_order_still_runs(service):
-    url, backend = service
+    url, backend = service.url, service.work.backend
     model_id = new_model(url)
     before = state(backend, model_id)
     assert_error(fwdbwd(url, fwdbwd_body(model_id, 2)), 400, "seq_id")
@@ -99,7 +105,7 @@ def test_a_seq_gap_is_400_and_the_next_in_order_still_runs(service):
 
 
 def test_malformed_protobuf_and_unknown_loss_are_400_with_no_state_change(service):
-    url, backend = service
+    url, backend = service.url, service.work.backend
     model_id = new_model(url)
     before = state(backend, model_id)
     assert_error(fwdbwd(url, b"\xff\xff\xff not protobuf"), 400, "body")
@@ -114,7 +120,7 @@ def test_malformed_protobuf_and_unknown_loss_are_400_with_no_state_change(servic
 
 
 def test_an_unsupported_rank_or_module_set_is_400_and_creates_nothing(service):
-    url, backend = service
+    url, backend = service.url, service.work.backend
     session = post(url, "create_session", {"tags": []}).json()["session_id"]
     registered = set(backend.store.tenants())
     assert_error(post(url, "create_model", {"session_id": session, "model_seq_id": 0, "base_model": "tiny",
@@ -128,5 +134,5 @@ def test_an_unsupported_rank_or_module_set_is_400_and_creates_nothing(service):
 
 
 def test_an_unknown_future_is_410(service):
-    url, _ = service
+    url = service.url
     assert_error(post(url, "retrieve_future", {"request_id": "nope"}), 410, "request_id")

@@ -19,8 +19,8 @@ def sft_datum(prompt: list[int], answer: list[int]):
 
 
 def test_the_sdk_trains_a_lora_run_and_its_summed_loss_decreases(service):
-    url, backend = service
-    client = tinker.ServiceClient(base_url=url, api_key="tml-acme-key")
+    url, backend = service.url, service.work.backend
+    client = tinker.ServiceClient(base_url=url, api_key=service.keys["acme"])
     training = client.create_lora_training_client(base_model="tiny", rank=RANK, train_unembed=True).result()
     data = [sft_datum([10, 11, 12], [40, 41, 42, 43]), sft_datum([20, 21], [40, 41, 42, 43])]
     losses = []

@@ -13,7 +13,7 @@ tinker = pytest.importorskip("tinker")
 from clora.learner.peft_io import CONFIG_FILE, WEIGHTS_FILE, read_adapter  # noqa: E402
 
 from .conftest import RANK  # noqa: E402
-from .test_bad_input import assert_error, post, result  # noqa: E402
+from .test_bad_input import _acme_key, assert_error, post, result  # noqa: E402,F401 - _acme_key: autouse
 from .test_sdk import sft_datum  # noqa: E402
 
 ADAM = tinker.AdamParams(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -35,8 +35,8 @@ def snapshot(backend, model_id: str):
 @pytest.fixture()
 def trained(service):
     """(url, backend, service client, training client) after 2 steps and a save named "two"."""
-    url, backend = service
-    client = tinker.ServiceClient(base_url=url, api_key="tml-acme-key")
+    url, backend = service.url, service.work.backend
+    client = tinker.ServiceClient(base_url=url, api_key=service.keys["acme"])
     training = client.create_lora_training_client(base_model="tiny", rank=RANK, train_unembed=True).result()
     train(training, 2)
     return url, backend, client, training
@@ -98,13 +98,13 @@ def test_a_generated_name_and_a_sampler_save_write_peft_folders(trained, tmp_pat
     assert path.startswith(f"tinker://{training.model_id}/weights/seq-6-")
 
 
-def test_bad_paths_are_4xx_naming_the_field_with_no_state_change(trained):
+def test_bad_paths_are_4xx_naming_the_field_with_no_state_change(trained, service):
     url, backend, client, training = trained
     mine = training.save_state("two").result().path
     train(training, 1)
     before = snapshot(backend, training.model_id)
     # beta's own run and checkpoint; acme asking for it sees nothing
-    beta = tinker.ServiceClient(base_url=url, api_key="tml-beta-key")
+    beta = tinker.ServiceClient(base_url=url, api_key=service.keys["beta"])
     beta_training = beta.create_lora_training_client(base_model="tiny", rank=RANK).result()
     theirs = beta_training.save_state("two").result().path
     with pytest.raises(tinker.NotFoundError):   # seq 8 through the SDK: it surfaces the 404
