@@ -35,8 +35,8 @@ class ServerThread:
     `lifespan="off"` for the fakes (they have no startup work); the real apps the integration
     fixtures serve run theirs (`lifespan="auto"`, uvicorn's default)."""
 
-    def __init__(self, app, lifespan: str = "off"):
-        self.port = free_port()
+    def __init__(self, app, lifespan: str = "off", port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False, lifespan=lifespan))

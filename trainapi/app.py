@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,8 +42,8 @@ from clora.registry import ApiKeyPrincipal
 from clora.trainapi import queue
 from clora.trainapi.backend import LoraCapabilities, run_key
 from clora.trainapi.losses import check_call
-from clora.trainapi.runs import Session, TinkerModel, model_id_of
-from clora.trainapi.sequencer import Sequencer, SeqError
+from clora.trainapi.runs import RunStore, Session, TinkerModel, model_id_of
+from clora.trainapi.sequencer import Admitted, Sequencer, SeqError
 from clora.trainapi.settings import TrainApiSettings
 from clora.trainapi.weights import KINDS as KINDS_ALL, CheckpointDir, CheckpointInfo, NotFound, TinkerPath, \
     check_name, parse_path
@@ -158,6 +159,7 @@ class TrainApi:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TinkerModel] = {}
         self.checkpoints = CheckpointDir(settings.checkpoints_dir)
+        self.runs = RunStore(redis, settings.max_seq_ids_kept)
         self._enqueue_locks: dict[str, asyncio.Lock] = {}
 
     # --- ownership ------------------------------------------------------------------------
@@ -209,12 +211,30 @@ class TrainApi:
     # --- running requests -------------------------------------------------------------------
 
     async def enqueue(self, m: TinkerModel, rid: str, kind: queue.Kind, op: str, args: dict[str, Any],
-                      payload: bytes | None = None) -> None:
-        """Hand request `rid` of `m` to the learner, after every request of `m` accepted before it
-        (the lock is taken in the order of acceptance, before any await)."""
-        lock = self._enqueue_locks.setdefault(m.model_id, asyncio.Lock())
-        async with lock:
-            await queue.enqueue(self.redis, m.key, rid, m.tenant, m.model_id, kind, op, args, payload)
+                      payload: bytes | None = None, seq_id: int | None = None) -> None:
+        """Hand request `rid` of `m` (its `seq_id`, recorded in the same transaction) to the
+        learner, after every request of `m` accepted before it (the lock is taken in the order
+        of acceptance: an unheld asyncio lock is taken without yielding)."""
+        also = self.runs.seq_ops(m, seq_id, Admitted(request_id=rid)) if seq_id is not None else None
+        async with self._lock(m):
+            await queue.enqueue(self.redis, m.key, rid, m.tenant, m.model_id, kind, op, args, payload, also=also)
+
+    async def refused(self, m: TinkerModel, seq_id: int, status: int, field: str, message: str) -> None:
+        """`seq_id` of `m` was refused: in memory and, in order with its neighbours, in Redis."""
+        m.sequencer.refuse(seq_id, status, field, message)
+        async with self._lock(m):
+            await self.runs.record_seq(m, seq_id, Admitted(refused=(status, field, message)))
+
+    def _lock(self, m: TinkerModel) -> asyncio.Lock:
+        return self._enqueue_locks.setdefault(m.model_id, asyncio.Lock())
+
+    async def restore(self) -> None:
+        """Sessions, models and their seq_id order as a previous process left them."""
+        sessions, models = await self.runs.load()
+        self.sessions.update(sessions)
+        self.models.update(models)
+        if models:
+            log.info("restored %d sessions and %d models", len(sessions), len(models))
 
     async def sequenced(self, m: TinkerModel, seq_id: int, kind: queue.Kind, check: Callable[[], None],
                         op: str, args: Callable[[], dict[str, Any]] | dict[str, Any],
@@ -234,14 +254,14 @@ class TrainApi:
         try:
             check()
         except WireError as e:
-            m.sequencer.refuse(seq_id, 400, e.field, str(e))
+            await self.refused(m, seq_id, 400, e.field, str(e))
             raise HttpError(400, "invalid_request", str(e), e.field) from e
         except HttpError as e:
-            m.sequencer.refuse(seq_id, e.status, e.field, e.message)
+            await self.refused(m, seq_id, e.status, e.field, e.message)
             raise
         rid = str(uuid.uuid4())
         m.sequencer.accept(seq_id, rid)
-        await self.enqueue(m, rid, kind, op, args() if callable(args) else args, payload)
+        await self.enqueue(m, rid, kind, op, args() if callable(args) else args, payload, seq_id=seq_id)
         return {"request_id": rid, "model_id": m.model_id}
 
     def render(self, o: queue.Outcome, accept: str) -> Response:
@@ -267,7 +287,13 @@ def _seed(model_id: str) -> int:
 def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) -> FastAPI:
     """The app on `redis` (a `redis.asyncio.Redis` without decoded responses)."""
     api = TrainApi(settings, authenticate, redis)
-    app = FastAPI(title="clora Tinker-compatible training API")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await api.restore()
+        yield
+
+    app = FastAPI(title="clora Tinker-compatible training API", lifespan=lifespan)
     app.state.trainapi = api
     install_error_handlers(app, "clora")
 
@@ -318,6 +344,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
         tenant = await api.tenant(request)
         s = Session(session_id=str(uuid.uuid4()), tenant=tenant, sdk_version=body.sdk_version)
         api.sessions[s.session_id] = s
+        await api.runs.save_session(s)
         return {"type": "create_session", "session_id": s.session_id}
 
     @app.post(f"{v1}/session_heartbeat")
@@ -329,13 +356,14 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
         if s is None or s.finished is not None:
             raise HttpError(410, "session_gone", f"session {body.session_id!r} is finished or unknown",
                             "session_id")
-        s.last_heartbeat = time.time()
+        s.last_heartbeat = time.time()   # in memory only: a restart must not forget a live session
         return {"type": "session_heartbeat"}
 
     @app.post(f"{v1}/sessions/{{session_id}}/finish")
     async def finish(request: Request, session_id: str, body: FinishRequest) -> dict:
         s = api.session(await api.tenant(request), session_id)
         s.finished = str((body.reason or {}).get("type", "success"))
+        await api.runs.save_session(s)
         return {}
 
     # --- models -------------------------------------------------------------------------------
@@ -369,8 +397,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
                         sequencer=Sequencer(first=1, keep=settings.max_seq_ids_kept),
                         train_unembed_requested=lora.train_unembed)
         api.models[model_id] = m
-        await queue.register_run(api.redis, m.key, tenant, model_id,
-                                 lora.seed if lora.seed is not None else _seed(model_id))
+        await api.runs.save_model(m, lora.seed if lora.seed is not None else _seed(model_id))
         await api.enqueue(m, rid, "json", "create", {})
         return {"request_id": rid, "model_id": model_id}
 
@@ -506,7 +533,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
                         rank=info.lora_rank, create_request_id=rid,
                         sequencer=Sequencer(first=1, keep=settings.max_seq_ids_kept))
         api.models[model_id] = m
-        await queue.register_run(api.redis, m.key, tenant, model_id, _seed(model_id))
+        await api.runs.save_model(m, _seed(model_id))
         await api.enqueue(m, str(uuid.uuid4()), "json", "create", {})
         await api.enqueue(m, rid, "json", "load", {"folder": str(folder), "optimizer": body.optimizer,
                                                    "path": body.path, "creates": True})

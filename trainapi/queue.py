@@ -8,7 +8,8 @@ still at the head when it comes back (`clora.trainapi.executor`).
 
 Keys (`run` = `backend.run_key(tenant, model_id)`, `rid` = the request id the client polls):
 
-    clora:tinker:runs          hash  run -> {"tenant", "model_id", "seed"} (JSON): every run
+    clora:tinker:runs          hash  run -> {"tenant", "model_id", "seed", ...} (JSON): every run
+                                     (`clora.trainapi.runs.RunStore` writes it)
     clora:tinker:q:{run}       list  request ids waiting, in seq_id order; the head runs next
     clora:tinker:req:{rid}     hash  the request and, once finished, its outcome (its future):
                                      tenant, model_id, kind, op, args (JSON), payload (bytes),
@@ -85,8 +86,9 @@ def _text(v: bytes | str | None) -> str | None:
 # --- the API process (redis.asyncio) ------------------------------------------------------------
 
 async def enqueue(r, run: str, rid: str, tenant: str, model_id: str, kind: Kind, op: str,
-                  args: dict[str, Any], payload: bytes | None = None) -> None:
-    """Record request `rid` and append it to `run`'s queue, in one transaction."""
+                  args: dict[str, Any], payload: bytes | None = None, also=None) -> None:
+    """Record request `rid` and append it to `run`'s queue, in one transaction (with what
+    `also(pipeline)` adds to it: the model's seq_id record)."""
     record = {"tenant": tenant, "model_id": model_id, "kind": kind, "op": op, "args": json.dumps(args),
               "state": "pending"}
     if payload is not None:
@@ -96,11 +98,9 @@ async def enqueue(r, run: str, rid: str, tenant: str, model_id: str, kind: Kind,
         p.rpush(queue_key(run), rid)
         p.lpush(WAKE, 1)
         p.ltrim(WAKE, 0, 0)
+        if also is not None:
+            also(p)
         await p.execute()
-
-
-async def register_run(r, run: str, tenant: str, model_id: str, seed: int) -> None:
-    await r.hset(RUNS, run, json.dumps({"tenant": tenant, "model_id": model_id, "seed": seed}))
 
 
 async def outcome(r, rid: str) -> Outcome | None:

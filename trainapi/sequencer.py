@@ -10,8 +10,9 @@ for retries. The rule, per model:
 
 A request refused after its seq_id was read (an unknown loss, a bad input) still uses up its
 seq_id (`refuse`): the SDK moves on to the next one whatever the answer, and a retry of it gets
-the same refusal. Accepted requests run in seq_id order: the service hands them to one worker
-in the order they were accepted.
+the same refusal. Accepted requests run in seq_id order: the service enqueues them for the
+learner in the order they were accepted. The service keeps each model's order in Redis too
+(`clora.trainapi.runs.RunStore`), so a restarted service goes on from the same seq_id.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ class Admitted:
 
 
 class Sequencer:
-    def __init__(self, first: int = 1, keep: int = 1024):
+    def __init__(self, first: int = 1, keep: int = 1024, seen: dict[int, Admitted] | None = None):
         self.next = first
         self.keep = keep
-        self._seen: OrderedDict[int, Admitted] = OrderedDict()
+        self._seen: OrderedDict[int, Admitted] = OrderedDict(sorted((seen or {}).items()))
 
     def check(self, seq_id: int) -> Admitted | None:
         """What `seq_id` already led to (a retry), None when it is the next one; `SeqError`
@@ -57,6 +58,10 @@ class Sequencer:
 
     def refuse(self, seq_id: int, status: int, field: str, message: str) -> None:
         self._record(seq_id, Admitted(refused=(status, field, message)))
+
+    def dropped_before(self) -> int:
+        """seq_ids below this are no longer remembered."""
+        return min(self._seen, default=self.next)
 
     def _record(self, seq_id: int, admitted: Admitted) -> None:
         if seq_id != self.next:

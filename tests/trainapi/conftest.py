@@ -50,6 +50,8 @@ class TinkerService:
     base_model: str = "tiny"
     rank: int = RANK
     announced: list[AdapterEvent] = field(default_factory=list)
+    server: ServerThread | None = None
+    redis_url: str = ""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -63,6 +65,19 @@ class TinkerService:
         the checkpoints hold, as one restarted after a crash does."""
         return build_learner(self.tiny_dir, self.learner_settings, self.registry, self.redis, self.settings,
                              self.announced)
+
+    def serve_api(self) -> None:
+        """Start the API (again, on the same port after `stop_api`): a new app and client, which
+        know only what Redis holds."""
+        from clora.ingest.webhook import async_redis_client
+
+        port = self.server.port if self.server is not None else None
+        app = create_app(self.settings, self.registry.authenticate_tinker, async_redis_client(self.redis_url))
+        self.server = ServerThread(app, lifespan="auto", port=port).start()
+        self.url = self.server.url
+
+    def stop_api(self) -> None:
+        self.server.stop()
 
     def wait_learner_dead(self, timeout_s: float = 60.0) -> None:
         """Wait until the learner's thread ended by itself (a test made it die)."""
@@ -89,8 +104,6 @@ def service(stack, tiny_dir, monkeypatch, tmp_path):
     """A fresh training API on the tiny model, its learner running; tenants `acme` and `beta`."""
     import redis
 
-    from clora.ingest.webhook import async_redis_client
-
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     torch.set_num_threads(1)
     url = f"{stack.redis_url.rstrip('/').rsplit('/', 1)[0]}/{DB}" if stack.redis_url.count("/") > 2 \
@@ -112,14 +125,13 @@ def service(stack, tiny_dir, monkeypatch, tmp_path):
     announced: list[AdapterEvent] = []
     learner = build_learner(tiny_dir, ls, registry, client, settings, announced)
     svc = TinkerService(url="", keys=keys, learner=learner, work=learner.external, registry=registry, redis=client,
-                        settings=settings, learner_settings=ls, tiny_dir=tiny_dir, announced=announced)
+                        settings=settings, learner_settings=ls, tiny_dir=tiny_dir, announced=announced, redis_url=url)
     svc.start_learner(learner)
     try:
-        with ServerThread(create_app(settings, registry.authenticate_tinker, async_redis_client(url)),
-                          lifespan="auto") as server:
-            svc.url = server.url
-            yield svc
+        svc.serve_api()
+        yield svc
     finally:
+        svc.stop_api()
         svc.stop_learner()
         client.flushdb()
         client.close()

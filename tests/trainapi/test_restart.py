@@ -49,6 +49,7 @@ def test_a_restart_keeps_the_queue_and_a_lost_gradient_fails_the_step_with_nothi
     assert fb.metrics["loss:sum"] > 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the learner's planned death
 def test_a_step_checkpointed_but_not_answered_before_a_crash_is_answered_not_repeated(service, monkeypatch):
     client = tinker.ServiceClient(base_url=service.url, api_key=service.keys["acme"])
     training = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
@@ -76,3 +77,32 @@ def test_a_step_checkpointed_but_not_answered_before_a_crash_is_answered_not_rep
     out = pending.result()
     assert out.metrics["step:max"] == 1.0
     assert run_state(service, training.model_id)[0] == 1   # answered from the checkpoint, not stepped again
+
+
+def test_the_api_restarting_mid_session_loses_nothing_and_the_session_goes_on(service):
+    client = tinker.ServiceClient(base_url=service.url, api_key=service.keys["acme"])
+    training = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    training.forward_backward(DATA, "cross_entropy").result()
+    service.stop_learner()
+    pending = training.optim_step(ADAM)           # accepted, then the API process goes away
+    service.stop_api()
+    service.serve_api()                           # a new process on the same port, from Redis alone
+    service.start_learner(service.new_learner())
+    with pytest.raises(Exception, match="lost the gradient"):   # the learner restarted too
+        pending.result()
+    out = training.forward_backward(DATA, "cross_entropy").result()   # same model, next seq_id
+    step = training.optim_step(ADAM).result()
+    assert step.metrics["step:max"] == 1.0 and out.metrics["loss:sum"] > 0
+    # a retried POST of an old seq_id still finds its own request; a gap is still refused
+    import httpx
+
+    key = {"X-API-Key": service.keys["acme"]}
+    retry = httpx.post(f"{service.url}/api/v1/optim_step", headers=key, timeout=30,
+                       json={"model_id": training.model_id, "seq_id": 2, "adam_params": ADAM.model_dump()})
+    assert retry.status_code == 200, retry.text
+    again = httpx.post(f"{service.url}/api/v1/retrieve_future", headers=key, timeout=30,
+                       json={"request_id": retry.json()["request_id"]})
+    assert "lost the gradient" in again.json()["error"]   # the same request's outcome, not a new step
+    gap = httpx.post(f"{service.url}/api/v1/optim_step", headers=key, timeout=30,
+                     json={"model_id": training.model_id, "seq_id": 99, "adam_params": ADAM.model_dump()})
+    assert gap.status_code == 400 and gap.json()["error"]["field"] == "seq_id"
