@@ -4,15 +4,10 @@ A Tinker model is a **named run under a tenant** (clora.trainapi's package docst
 adapter state is one more entry of the learner's swapped store, keyed `run_key(tenant,
 model_id)`, so a research loop never overwrites the tenant's continuously learned adapter.
 
-`InProcessBackend` runs the requests on a `Trainer`'s model and `AdapterStore` in this process:
-the same LoRA layout, the same swapped per-run state (master weights, Adam moments, grad row, RNG)
-and the same AdamW (`clora.learner.optim.adam_step`). It serves the tests on the tiny model and
-a single-user deployment. The shared deployment goes through the learner process and its
-`Scheduler`, so that Tinker runs share the device fairly with continuously learning tenants;
-that backend is the next phase of issue 19 and implements this same protocol.
-
-Calls on one backend come from one worker thread, in each model's `seq_id` order
-(`clora.trainapi.service`).
+`InProcessBackend` runs the requests on a `Trainer`'s model and `AdapterStore`: the same LoRA
+layout, the same swapped per-run state (master weights, Adam moments, grad row, RNG) and the
+same AdamW (`clora.learner.optim.adam_step`). The learner process holds one, driven by
+`clora.trainapi.executor.TinkerWork` when its scheduler picks a run, one request at a time.
 """
 
 from __future__ import annotations

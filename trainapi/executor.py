@@ -63,7 +63,9 @@ class RunRecord:
     done: int = 0
     """Requests of this run finished (the next one's number is `done + 1`)."""
     grad_lost: bool = False
-    """A restart lost gradient gathered for the next `optim_step`."""
+    """A restart (or an eviction) lost gradient gathered for the next `optim_step`."""
+    last_used: float = 0.0
+    """When a request of this run last ran (monotonic); 0 when never on this learner."""
 
 
 def make_tinker_work(learner, redis_client) -> "TinkerWork":
@@ -90,6 +92,7 @@ class TinkerWork:
 
     def views(self, registered: dict) -> list[TenantView]:
         self._discover()
+        self._evict_idle()
         keys = [k for k, rec in self.runs.items() if rec.tenant in registered]
         out = []
         for key, n in queue.waiting(self.r, keys).items():
@@ -113,23 +116,43 @@ class TinkerWork:
                 self.runs[key] = RunRecord(info["tenant"], info["model_id"], int(info["seed"]), done=done)
 
     def restore(self) -> None:
-        """Every run's state from its checkpoint; runs whose gradient a restart lost are marked."""
+        """Learn every run; their states load from their checkpoints when first needed."""
         self._discover()
-        for key, rec in self.runs.items():
-            path = checkpoint_path(self.state_dir, _file_name(key))
-            if not path.exists():
-                continue
-            try:
-                state = load_checkpoint(path, self.store.layout.numel)
-            except CheckpointError:
-                log.exception("tinker run %s: its checkpoint is unreadable; its requests will fail", key)
-                continue
-            self.store.put(dataclasses.replace(state, tenant=key))
-            _, grad_pending = queue.run_meta(self.r, key)
-            rec.grad_lost = grad_pending
         if self.runs:
-            log.info("tinker: %d runs known, %d restored from checkpoints", len(self.runs),
-                     sum(k in self.store for k in self.runs))
+            log.info("tinker: %d runs known", len(self.runs))
+
+    def load(self, key: str) -> bool:
+        """Bring `key`'s state into the store from its checkpoint, first evicting its tenant's
+        least recently used run when the tenant holds `max_resident_runs`; whether it is there.
+        A gradient gathered before the state left memory is lost: the run is marked."""
+        if key in self.store:
+            return True
+        path = checkpoint_path(self.state_dir, _file_name(key))
+        if not path.exists():
+            return False
+        self._make_room(key)
+        state = load_checkpoint(path, self.store.layout.numel)
+        self.store.put(dataclasses.replace(state, tenant=key))
+        _, self.runs[key].grad_lost = queue.run_meta(self.r, key)
+        return True
+
+    def _make_room(self, key: str) -> None:
+        """Evict the least recently used runs of `key`'s tenant until one more fits its share."""
+        tenant = self.runs[key].tenant
+        mine = sorted((r.last_used, k) for k, r in self.runs.items() if r.tenant == tenant and k in self.store)
+        for _, old in mine[:max(0, len(mine) - self.settings.max_resident_runs + 1)]:
+            self.evict(old, "its tenant holds too many runs")
+
+    def evict(self, key: str, why: str) -> None:
+        """Drop `key`'s state from memory; its checkpoint holds every applied step."""
+        self.store.remove(key)
+        log.info("tinker run %s left the learner's memory: %s", key, why)
+
+    def _evict_idle(self) -> None:
+        cutoff = time.monotonic() - self.settings.run_idle_s
+        for key, rec in self.runs.items():
+            if key in self.store and rec.last_used < cutoff and self.store.active_tenant != key:
+                self.evict(key, f"idle for {self.settings.run_idle_s:.0f} s")
 
     def _checkpoint(self, key: str, applied: int) -> None:
         state = self.store.state(key)
@@ -145,8 +168,10 @@ class TinkerWork:
         rec = self.runs[key]
         n = rec.done + 1
         t0 = time.perf_counter()
+        rec.last_used = time.monotonic()
         grad_pending: bool | None = None
         try:
+            self.load(key)
             if job.op in STATE_CHANGES and key in self.store and self.store.peek(key).cursor >= n:
                 result = _already_applied(job, self.store.peek(key).step)   # applied, then the learner died
             else:
@@ -162,6 +187,7 @@ class TinkerWork:
             queue.finish(self.r, key, job.request_id, self.settings.future_ttl_s,
                          error=f"{type(e).__name__}: {e}", category="server")
         rec.done = n
+        rec.last_used = time.monotonic()
         return time.perf_counter() - t0
 
     def _execute(self, key: str, rec: RunRecord, job: Job, n: int) -> tuple[Any, bool | None]:
@@ -169,6 +195,8 @@ class TinkerWork:
         A result is JSON, or (protobuf bytes, JSON) for `forward_backward`."""
         a = job.args
         if job.op == "create":
+            if key not in self.store:
+                self._make_room(key)
             self.backend.create(key, rec.seed)
             self._checkpoint(key, n)
             return {"type": "create_model", "model_id": rec.model_id}, False
@@ -182,9 +210,10 @@ class TinkerWork:
             if rec.grad_lost:
                 self._drop_gradient(key)
                 rec.grad_lost = False
-                raise _GradientLost(f"optim_step: the learner restarted after this model's last optim_step and "
-                                    f"lost the gradient of the forward_backward calls since; no step was applied "
-                                    f"and the gradient was cleared: run forward_backward again, then optim_step")
+                raise _GradientLost("optim_step: the learner lost the gradient of this model's forward_backward "
+                                    "calls since its last optim_step (it restarted, or the run left its memory: "
+                                    "TrainApiSettings.max_resident_runs, run_idle_s); no step was applied and the "
+                                    "gradient was cleared: run forward_backward again, then optim_step")
             p = AdamParams(**a["adam"])
             metrics = self.backend.optim_step(key, p)
             self._checkpoint(key, n)

@@ -42,6 +42,12 @@ class TrainApiSettings(BaseSettings):
     """Estimated protobuf bytes per `forward_backward` request the SDK sends at most."""
     checkpoints_dir: Path = Path(".clora/trainapi/checkpoints")
     """Saved weights: `<checkpoints_dir>/<tenant>/<model_id>/{weights,sampler_weights}/<name>/`."""
+    max_resident_runs: int = Field(default=4, ge=1)
+    """A tenant's Tinker runs held in the learner's memory at most (each as large as a tenant's
+    adapter state); a further run's request evicts the tenant's least recently used one, whose
+    checkpoint keeps every applied step. Other tenants' runs and adapters are never evicted."""
+    run_idle_s: float = Field(default=900.0, gt=0)
+    """A run with no request for this long leaves the learner's memory (it reloads on its next)."""
     max_seq_ids_kept: int = Field(default=1024, ge=1)
     """Accepted `seq_id`s remembered per model, so a retried POST finds its request again."""
     gateway_url: str = "http://127.0.0.1:8000"
