@@ -21,6 +21,8 @@ Keys (all under `clora:`):
                                        in the version (`clora.freshness`)
     clora:tenant:{id}:first_served     hash version -> when the gateway first served it (HSETNX)
     clora:tenant:{id}:freshness        hash version -> JSON of `FreshnessSummary`
+    clora:tenant:{id}:tinker_samplers  hash tinker path -> version: the version each
+                                       `tinker://<model id>/sampler_weights/<name>` was published as
 
 Every key built from a tenant id checks it first (`TenantNotFound` for an id no tenant can
 have): `acme:keys` must never reach the key of tenant `acme`'s keys.
@@ -32,7 +34,12 @@ or rotation.
 Tinker keys (`clora.trainapi`, the Tinker-compatible training API) look like
 `tml-<key id>_<secret>`: the official SDK refuses any key without the `tml-` prefix. They are
 stored the same way but in their own namespace, so a tenant key never opens the training API
-and a Tinker key never opens the gateway or the webhook.
+and a Tinker key never opens the gateway's OpenAI routes or the webhook (only the gateway's
+Tinker sampling route, `clora.serving.tinker_sampling`).
+
+A Tinker run's saved sampler weights are ordinary adapter versions of its tenant
+(`AdapterVersion.source == "tinker"`, never made live by the Tinker API); `record_tinker_sampler`
+maps the path the SDK got back to the version, for the tenant alone.
 """
 
 from __future__ import annotations
@@ -248,6 +255,13 @@ class AdapterVersion(BaseModel):
     """Set when a guard rolled this version back: when, to which version, which `guard`
     (`reward` or `reward_hacking`), and the numbers it compared (`GuardVerdict.summary`,
     `HackingVerdict.summary`)."""
+    source: Literal["tinker"] | None = None
+    """Who made it: None for the continuous learner (or an import), `tinker` for weights a Tinker
+    training run saved for sampling (`clora.trainapi`); those are published without being made
+    live and have no parent."""
+    tinker_path: str | None = None
+    """The `tinker://<model id>/sampler_weights/<name>` path the SDK was given for it; None for a
+    learner version and for a Tinker run's ephemeral save (`save_weights_and_get_sampling_client`)."""
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -526,6 +540,22 @@ class Registry:
         raw = self.r.get(self._tkey(tenant_id) + ":live")
         return int(raw) if raw is not None else None
 
+    # --- Tinker sampler weights (clora.trainapi) -----------------------------------------------
+
+    def record_tinker_sampler(self, tenant_id: str, tinker_path: str, version: int) -> None:
+        """Map the path a Tinker run's `save_weights_for_sampler` returned to the adapter version it
+        was published as (a later save under the same path replaces the mapping)."""
+        if not tinker_path.startswith("tinker://") or len(tinker_path) > 1000:
+            raise RegistryError(f"{tinker_path[:200]!r} is not a tinker:// path")
+        self.adapter_version(tenant_id, version)  # must exist
+        self.r.hset(self._tkey(tenant_id) + ":tinker_samplers", tinker_path, int(version))
+
+    def tinker_sampler_version(self, tenant_id: str, tinker_path: str) -> int | None:
+        """The version `tenant_id`'s sampler weights at `tinker_path` were published as; None for
+        a path the tenant never saved (another tenant's path included)."""
+        raw = self.r.hget(self._tkey(tenant_id) + ":tinker_samplers", tinker_path)
+        return int(raw) if raw is not None else None
+
     # --- freshness: feedback -> served (clora.freshness) ------------------------------------
 
     def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage) -> None:
@@ -658,6 +688,12 @@ async def fetch_interaction_owners(client, interaction_ids: list[str]) -> list[s
     """`Registry.interaction_owners` on an asyncio Redis client (`redis.asyncio.Redis`), for a
     server that must not block its event loop on the lookup."""
     return _owners(await client.mget([_owner_key(i) for i in interaction_ids]))
+
+
+async def fetch_tinker_sampler_version(client, tenant_id: str, tinker_path: str) -> int | None:
+    """`Registry.tinker_sampler_version` on an asyncio Redis client (`redis.asyncio.Redis`)."""
+    raw = await client.hget(Registry._tkey(tenant_id) + ":tinker_samplers", tinker_path)
+    return int(raw) if raw is not None else None
 
 
 @dataclass(frozen=True)

@@ -314,7 +314,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.producer import EventProducer
     from clora.ingest.schemas import TOPIC_ADAPTERS
-    from clora.learner.base_model import DEFAULT_SOURCE, SMOLLM2_NAME, load_base_model, prepare_base_model
+    from clora.learner.base_model import base_model_name, load_base_model, prepare_base_model
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -338,7 +338,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
         producer.send_sync(TOPIC_ADAPTERS, event.tenant, event.model_dump_json())
 
     learner = Learner(settings, model, tok, registry=Registry(client), buffer=ReplayBuffer(client), announce=announce,
-                      base_model_name=SMOLLM2_NAME if settings.base_model == DEFAULT_SOURCE else str(path), metrics=metrics, device=device)
+                      base_model_name=base_model_name(settings.base_model, path), metrics=metrics, device=device)
     if external is not None:
         learner.external = external(learner, client)
     learner.run_forever(stop)

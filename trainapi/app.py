@@ -42,6 +42,7 @@ from clora.registry import ApiKeyPrincipal
 from clora.trainapi import queue
 from clora.trainapi.backend import LoraCapabilities, run_key
 from clora.trainapi.losses import check_call
+from clora.trainapi.sampling import install_sampling, sampling_session_id_of
 from clora.trainapi.runs import RunStore, Session, TinkerModel, model_id_of
 from clora.trainapi.sequencer import Admitted, Sequencer, SeqError
 from clora.trainapi.settings import TrainApiSettings
@@ -275,11 +276,6 @@ class TrainApi:
 ADAM_FIELDS = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"}
 
 
-def sampling_session_id(session_id: str, sampling_session_seq_id: int) -> str:
-    """The id of a session's sampling session number `n`: `{session_id}:sample:{n}`."""
-    return f"{session_id}:sample:{sampling_session_seq_id}"
-
-
 def _seed(model_id: str) -> int:
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "little")
 
@@ -335,7 +331,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
         await api.tenant(request)
         return {"supported_models": [{"model_name": settings.base_model,
                                       "max_context_length": settings.max_context_length,
-                                      "trainable": True, "sampleable": False}]}
+                                      "trainable": True, "sampleable": True}]}
 
     # --- sessions -----------------------------------------------------------------------------
 
@@ -480,7 +476,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
             check_name(name)
             unused_name(m, "sampler_weights", name, overwrite=False)
             if ephemeral:
-                args["sampling_session_id"] = sampling_session_id(m.session_id, body.sampling_session_seq_id)
+                args["sampling_session_id"] = sampling_session_id_of(m.session_id, body.sampling_session_seq_id)
 
         return await api.sequenced(m, body.seq_id, "json", check, "save", args)
 
@@ -545,6 +541,8 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
         return {"base_model": info.base_model, "is_lora": True, "lora_rank": info.lora_rank,
                 "train_unembed": False, "train_mlp": info.train_mlp, "train_attn": info.train_attn,
                 "optimizer_config": {"type": "adamw"}}
+
+    install_sampling(app, api)
 
     # --- futures ------------------------------------------------------------------------------
 

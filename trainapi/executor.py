@@ -20,7 +20,8 @@ killed mid-request runs it again after its restart. What must not happen twice o
   drops whatever gradient was gathered since, and applies nothing: no step from half a batch.
   The client runs `forward_backward` again and steps.
 - **Saved weights** are written to a temporary folder and renamed (`weights.CheckpointDir`); a
-  sampler checkpoint's published version is found again by its path rather than published twice.
+  sampler checkpoint's published version is found again by its path (or its sampling session,
+  for the ephemeral form) rather than published twice.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from clora.learner.scheduler import TenantView
 from clora.trainapi import queue
 from clora.trainapi.backend import AdamParams, InProcessBackend
 from clora.trainapi.queue import Job
+from clora.trainapi.sampling import get_sampling_session, put_sampling_session
 from clora.trainapi.settings import TrainApiSettings
 from clora.trainapi.weights import CheckpointDir, CheckpointInfo, TinkerPath
 from clora.trainapi.wire import WireError, decode_forward_backward, forward_backward_json, \
@@ -235,16 +237,24 @@ class TinkerWork:
         self.store.put(st)   # drops any resident copy, whose gradient must not be written back
 
     def _save(self, key: str, rec: RunRecord, job: Job) -> dict:
+        """`save_weights` (a resumable checkpoint), or `save_weights_for_sampler`: named, a PEFT
+        checkpoint published as a version of the tenant (not live), its path mapped to it; or
+        ephemeral (an RL loop's every step), a version only, with a sampling session on it."""
         a = job.args
         p = TinkerPath(rec.model_id, a["kind"], a["name"])
-        caps = self.backend.capabilities()
         sampler = a["kind"] == "sampler_weights"
-        publisher = self.learner.publisher
-        if sampler and (version := self._published(rec.tenant, str(p))) is not None:
-            return self._sampler_result(rec, p, version, a)   # saved and published before a restart
+        if sampler and (sid := a.get("sampling_session_id")) is not None:
+            if get_sampling_session(self.r, sid) is None:   # else published before a restart
+                version = self._publish(key, rec, tinker_path=None)
+                put_sampling_session(self.r, sid, rec.tenant, served_name(rec.tenant, version))
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sid}
+        if sampler and self.learner.registry.tinker_sampler_version(rec.tenant, str(p)) is not None:
+            return {"type": "save_weights_for_sampler", "path": str(p)}   # published before a restart
         if not (sampler and self.checkpoints.folder(rec.tenant, p).exists()):
+            caps = self.backend.capabilities()
+
             def fill(folder: Path) -> CheckpointInfo:
-                step = self.backend.save_state(key, folder, publisher.base_model, not sampler)
+                step = self.backend.save_state(key, folder, self.learner.publisher.base_model, not sampler)
                 return CheckpointInfo(path=str(p), tenant=rec.tenant, base_model=self.settings.base_model,
                                       lora_rank=caps.rank, train_attn=caps.train_attn, train_mlp=caps.train_mlp,
                                       step=step, has_optimizer=not sampler, created_at=time.time())
@@ -252,24 +262,22 @@ class TinkerWork:
             self.checkpoints.write(rec.tenant, p, bool(a.get("overwrite")), fill)
         if not sampler:
             return {"type": "save_weights", "path": str(p)}
-        st = self.store.peek(key)
-        version = publisher.publish(rec.tenant, self.store.state(key).master.clone(), step=st.step,
-                                    examples_seen=st.examples_seen, eval_scores={}, make_live=False,
-                                    source="tinker", tinker_path=str(p)).version
+        version = self._publish(key, rec, tinker_path=str(p))
         self.learner.registry.record_tinker_sampler(rec.tenant, str(p), version)
-        return self._sampler_result(rec, p, version, a)
+        return {"type": "save_weights_for_sampler", "path": str(p)}
 
-    def _published(self, tenant: str, path: str) -> int | None:
-        return self.learner.registry.tinker_sampler_version(tenant, path)
-
-    def _sampler_result(self, rec: RunRecord, p: TinkerPath, version: int, a: dict) -> dict:
-        out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": str(p)}
-        if (sid := a.get("sampling_session_id")) is not None:
-            from clora.trainapi.sampling import put_sampling_session
-
-            put_sampling_session(self.r, sid, rec.tenant, served_name(rec.tenant, version))
-            out["sampling_session_id"] = sid
-        return out
+    def _publish(self, key: str, rec: RunRecord, tinker_path: str | None) -> int:
+        """The run's weights as the tenant's next version, not live (`tenant@vN`); then the
+        tenant's old versions pruned as after any publish (named Tinker versions are kept)."""
+        st = self.store.state(key)
+        publisher = self.learner.publisher
+        version = publisher.publish(rec.tenant, st.master.clone(), step=st.step, examples_seen=st.examples_seen,
+                                    eval_scores={}, make_live=False, source="tinker", tinker_path=tinker_path).version
+        try:
+            publisher.prune(rec.tenant, self.learner.s.keep_versions)
+        except Exception:  # noqa: BLE001 - retention must never fail a publish; the next one retries
+            log.exception("deleting %s's old versions failed", rec.tenant)
+        return version
 
 
 class _GradientLost(RequestError):

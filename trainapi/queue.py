@@ -115,10 +115,14 @@ async def outcome(r, rid: str) -> Outcome | None:
                    error=_text(rec["error"]), category=_text(rec["category"]) or "unknown")
 
 
-async def create_future(r, rid: str, tenant: str, model_id: str | None, kind: Kind) -> None:
-    """A pending future that something other than the learner finishes (`complete`): sampling."""
-    await r.hset(request_key(rid), mapping={"tenant": tenant, "model_id": model_id or "", "kind": kind,
-                                            "state": "pending"})
+async def create_future(r, rid: str, tenant: str, model_id: str | None, kind: Kind, ttl_s: float) -> None:
+    """A pending future that something other than the learner finishes (`complete`): sampling.
+    It expires `ttl_s` after creation even unfinished (its process died), answering 410 then."""
+    async with r.pipeline(transaction=True) as p:
+        p.hset(request_key(rid), mapping={"tenant": tenant, "model_id": model_id or "", "kind": kind,
+                                          "state": "pending"})
+        p.expire(request_key(rid), max(1, int(ttl_s)))
+        await p.execute()
 
 
 async def complete(r, rid: str, ttl_s: float, *, result: bytes | None = None, result_json: Any = None,

@@ -30,4 +30,8 @@ def main(settings: TrainApiSettings, redis_url: str) -> None:
     """Serve until SIGTERM/SIGINT (uvicorn handles both)."""
     import uvicorn
 
-    uvicorn.run(build(settings, redis_url), host=settings.host, port=settings.port, log_level="info")
+    from clora.settings import HTTP_KEEP_ALIVE_S
+
+    # keep-alive above the clients' idle pools, so a reused connection never meets a server close
+    uvicorn.run(build(settings, redis_url), host=settings.host, port=settings.port, log_level="info",
+                access_log=False, timeout_keep_alive=HTTP_KEEP_ALIVE_S)
