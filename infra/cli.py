@@ -518,6 +518,35 @@ def bench_experiments(
     run_bench(config)
 
 
+@bench_app.command("tinker")
+def bench_tinker(
+        model: str = typer.Option("tiny", help="tiny, smollm2 or a local HF model directory"),
+        steps: int = typer.Option(8, help="K: timed steps per path and per client"),
+        clients: str = typer.Option("1,2,4", help="Concurrent client counts (comma-separated)"),
+        batch: int = typer.Option(8, help="B: sampled completions per step"),
+        group_size: int = typer.Option(4, help="G: completions per prompt"),
+        seq_len: int = typer.Option(128, help="Tokens per sequence, prompt + completion"),
+        micro_batch: int = typer.Option(8, help="The learner's micro-batch size"),
+        threads: int = typer.Option(1, help="torch CPU threads"),
+        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
+        out: str = typer.Option("bench-results/tinker.json", help="JSON output"),
+        log_level: str = "WARNING"):
+    """One RL step through the Tinker SDK vs the same step on the learner's native path, and 1/2/4
+    concurrent SDK clients on different tenants vs one at a time. Prints a table, writes JSON."""
+    from clora.infra.tinker_bench import TinkerBenchConfig, run as run_bench
+
+    _logging(log_level)
+    try:
+        config = TinkerBenchConfig(model=model, steps=steps,
+                                   clients=tuple(int(x) for x in clients.split(",") if x.strip()),
+                                   batch=batch, group_size=group_size, seq_len=seq_len, micro_batch=micro_batch,
+                                   threads=threads, models_dir=models_dir, out=out)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
 @bench_app.command("freshness")
 def bench_freshness(
         tenants: int = typer.Option(3, help="Tenants, each with its own stream"),

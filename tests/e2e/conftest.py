@@ -49,6 +49,7 @@ def platform(tmp_path_factory, tiny_model):
         assert deadline_ok and up.poll() is None, log.read_text()[-4000:]
         yield {"env": env, "gateway": gateway, "webhook": f"http://127.0.0.1:{ports['WEBHOOK_PORT']}",
                "console": f"http://127.0.0.1:{ports['CONSOLE_PORT']}", "root": root, "model": model,
+               "trainapi": f"http://127.0.0.1:{ports['TRAINAPI_PORT']}",
                "token": (root / "data" / "admin_token").read_text().strip()}
     finally:
         up.send_signal(signal.SIGTERM)
