@@ -9,7 +9,8 @@ continuously learning tenants. The task is the letters task of `test_rl_loop`: t
 fraction of sampled tokens that decode to ASCII letters, which a random tiny model rarely emits.
 
 Then the run's final weights, saved for the sampler by name, answer on the OpenAI endpoint by
-their `tinker://` path and as `tenant@vN`, and the version's lineage says it came from Tinker.
+their `tinker://` path and as `tenant@vN`, the version's lineage says it came from Tinker, and
+once promoted it serves as the tenant's own model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -95,3 +97,14 @@ def test_an_sdk_rl_loop_raises_the_reward_and_its_weights_serve_on_the_openai_en
     pinned = openai.completions.create(model=f"{TENANT}@v{final['version']}", prompt="Write some letters:",
                                        max_tokens=8, temperature=0)
     assert by_path.choices[0].text == pinned.choices[0].text
+
+    # promoted, it is the tenant's live version: its production name answers as the run does
+    r = httpx.post(f"{platform['console']}/api/tenants/{TENANT}/versions/{final['version']}/promote", headers=admin)
+    assert r.status_code == 200 and r.json()["live"] == final["version"], r.text
+    deadline = time.monotonic() + 60
+    while True:
+        live = openai.completions.create(model=TENANT, prompt="Write some letters:", max_tokens=8, temperature=0)
+        if live.choices[0].text == pinned.choices[0].text:
+            break
+        assert time.monotonic() < deadline, "the promoted Tinker version never served as the tenant's model"
+        time.sleep(0.3)
