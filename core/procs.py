@@ -1,6 +1,7 @@
 """Process helpers any part may use: is a port open, does a URL answer, a free port for a
-service about to start, children that die with their parent, and the heartbeat a long-running
-service gives its supervisor.
+service about to start, children that die with their parent, the heartbeat a long-running
+service gives its supervisor, and `ServerThread` (an app on uvicorn in a thread, for tests and
+in-process benchmarks).
 
     beat = Heartbeat.from_env()       # the file `clora up` named in CLORA_HEARTBEAT_FILE, if any
     beat.start_watchdog(60.0)         # exit (code 70) if the loop below stalls for 60 s
@@ -177,3 +178,39 @@ def heartbeat_mtime(path: Path) -> float | None:
         return path.stat().st_mtime
     except FileNotFoundError:
         return None
+
+
+class ServerThread:
+    """uvicorn serving an app on a free port (or `port`) in a daemon thread; `start()`/`stop()`,
+    or `with`. For tests and in-process benchmarks.
+
+    `lifespan="off"` for the test fakes (they have no startup work); the real apps run theirs
+    (`lifespan="auto"`, uvicorn's default)."""
+
+    def __init__(self, app, lifespan: str = "off", port: int | None = None):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, lifespan=lifespan))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout_s: float = 20.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not port_open("127.0.0.1", self.port, timeout=0.2):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn on port {self.port} did not start within {timeout_s:.0f} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -7,6 +7,8 @@ Keys (all under `clora:`):
     clora:tenant:{id}                  JSON of `Tenant` (policy included)
     clora:tenant:{id}:keys             hash key_id -> JSON of `ApiKeyRecord` (hash, created, revoked)
     clora:apikey:{sha256(key)}         the tenant id and key id a key belongs to (lookup)
+    clora:tenant:{id}:tinker_keys      hash key_id -> JSON of `ApiKeyRecord`: the tenant's Tinker keys
+    clora:tinkerkey:{sha256(key)}      the tenant id and key id a Tinker key belongs to (lookup)
     clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
     clora:tenant:{id}:live             the live version number
     clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
@@ -19,6 +21,8 @@ Keys (all under `clora:`):
                                        in the version (`clora.freshness`)
     clora:tenant:{id}:first_served     hash version -> when the gateway first served it (HSETNX)
     clora:tenant:{id}:freshness        hash version -> JSON of `FreshnessSummary`
+    clora:tenant:{id}:tinker_samplers  hash tinker path -> version: the version each
+                                       `tinker://<model id>/sampler_weights/<name>` was published as
 
 Every key built from a tenant id checks it first (`TenantNotFound` for an id no tenant can
 have): `acme:keys` must never reach the key of tenant `acme`'s keys.
@@ -26,6 +30,16 @@ have): `acme:keys` must never reach the key of tenant `acme`'s keys.
 API keys look like `clk_<key id>_<secret>`; only their SHA-256 is stored (the secret has
 256 bits of entropy, so a fast hash is the right tool). A key is shown once, at creation
 or rotation.
+
+Tinker keys (`clora.trainapi`, the Tinker-compatible training API) look like
+`tml-<key id>_<secret>`: the official SDK refuses any key without the `tml-` prefix. They are
+stored the same way but in their own namespace, so a tenant key never opens the training API
+and a Tinker key never opens the gateway's OpenAI routes or the webhook (only the gateway's
+Tinker sampling route, `clora.serving.tinker_sampling`).
+
+A Tinker run's saved sampler weights are ordinary adapter versions of its tenant
+(`AdapterVersion.source == "tinker"`, never made live by the Tinker API); `record_tinker_sampler`
+maps the path the SDK got back to the version, for the tenant alone.
 """
 
 from __future__ import annotations
@@ -241,6 +255,13 @@ class AdapterVersion(BaseModel):
     """Set when a guard rolled this version back: when, to which version, which `guard`
     (`reward` or `reward_hacking`), and the numbers it compared (`GuardVerdict.summary`,
     `HackingVerdict.summary`)."""
+    source: Literal["tinker"] | None = None
+    """Who made it: None for the continuous learner (or an import), `tinker` for weights a Tinker
+    training run saved for sampling (`clora.trainapi`); those are published without being made
+    live and have no parent."""
+    tinker_path: str | None = None
+    """The `tinker://<model id>/sampler_weights/<name>` path the SDK was given for it; None for a
+    learner version and for a Tinker run's ephemeral save (`save_weights_and_get_sampling_client`)."""
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -293,10 +314,15 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def new_api_key() -> tuple[str, str]:
-    """A fresh (key_id, key). The key embeds its id so a leaked log line names the key."""
+def new_api_key(prefix: str = "clk_") -> tuple[str, str]:
+    """A fresh (key_id, key). The key embeds its id so a leaked log line names the key.
+    `prefix`: `clk_` for tenant keys, `tml-` for Tinker keys."""
     key_id = secrets.token_hex(4)
-    return key_id, f"clk_{key_id}_{secrets.token_urlsafe(32)}"
+    return key_id, f"{prefix}{key_id}_{secrets.token_urlsafe(32)}"
+
+
+TINKER_KEY_PREFIX = "tml-"
+"""What a Tinker key starts with (the SDK checks it on the client)."""
 
 
 class Registry:
@@ -402,6 +428,44 @@ class Registry:
             return None
         return ApiKeyPrincipal.model_validate_json(raw)
 
+    # --- Tinker keys (the training API's) -----------------------------------------------------
+
+    def create_tinker_key(self, tenant_id: str) -> str:
+        """A new Tinker key for the tenant (`tml-<key id>_<secret>`), shown once."""
+        self.get_tenant(tenant_id)   # TenantNotFound for an unknown tenant
+        key_id, key = new_api_key(TINKER_KEY_PREFIX)
+        rec = ApiKeyRecord(key_id=key_id, sha256=hash_key(key), created_at=time.time())
+        pipe = self.r.pipeline()
+        pipe.hset(self._tkey(tenant_id) + ":tinker_keys", key_id, rec.model_dump_json())
+        pipe.set(PREFIX + "tinkerkey:" + rec.sha256, json.dumps({"tenant": tenant_id, "key_id": key_id}))
+        pipe.execute()
+        return key
+
+    def list_tinker_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        raw = self.r.hgetall(self._tkey(tenant_id) + ":tinker_keys")
+        return sorted((ApiKeyRecord.model_validate_json(v) for v in raw.values()), key=lambda k: k.created_at)
+
+    def revoke_tinker_key(self, tenant_id: str, key_id: str) -> None:
+        raw = self.r.hget(self._tkey(tenant_id) + ":tinker_keys", key_id)
+        if raw is None:
+            raise RegistryError(f"tenant {tenant_id!r} has no Tinker key {key_id!r}")
+        rec = ApiKeyRecord.model_validate_json(raw)
+        rec.revoked_at = rec.revoked_at or time.time()
+        pipe = self.r.pipeline()
+        pipe.hset(self._tkey(tenant_id) + ":tinker_keys", key_id, rec.model_dump_json())
+        pipe.delete(PREFIX + "tinkerkey:" + rec.sha256)
+        pipe.execute()
+
+    def authenticate_tinker(self, key: str) -> ApiKeyPrincipal | None:
+        """The tenant a Tinker key belongs to, or None for an unknown or revoked key (and for
+        any tenant key or admin token: they live in other namespaces)."""
+        if not key.startswith(TINKER_KEY_PREFIX) or len(key) > 200:
+            return None
+        raw = self.r.get(PREFIX + "tinkerkey:" + hash_key(key))
+        if raw is None:
+            return None
+        return ApiKeyPrincipal.model_validate_json(raw)
+
     # --- interaction ownership ---------------------------------------------------------------
 
     def claim_interaction(self, interaction_id: str, tenant_id: str, ttl_s: int = 7 * 24 * 3600) -> None:
@@ -474,6 +538,22 @@ class Registry:
 
     def live_version(self, tenant_id: str) -> int | None:
         raw = self.r.get(self._tkey(tenant_id) + ":live")
+        return int(raw) if raw is not None else None
+
+    # --- Tinker sampler weights (clora.trainapi) -----------------------------------------------
+
+    def record_tinker_sampler(self, tenant_id: str, tinker_path: str, version: int) -> None:
+        """Map the path a Tinker run's `save_weights_for_sampler` returned to the adapter version it
+        was published as (a later save under the same path replaces the mapping)."""
+        if not tinker_path.startswith("tinker://") or len(tinker_path) > 1000:
+            raise RegistryError(f"{tinker_path[:200]!r} is not a tinker:// path")
+        self.adapter_version(tenant_id, version)  # must exist
+        self.r.hset(self._tkey(tenant_id) + ":tinker_samplers", tinker_path, int(version))
+
+    def tinker_sampler_version(self, tenant_id: str, tinker_path: str) -> int | None:
+        """The version `tenant_id`'s sampler weights at `tinker_path` were published as; None for
+        a path the tenant never saved (another tenant's path included)."""
+        raw = self.r.hget(self._tkey(tenant_id) + ":tinker_samplers", tinker_path)
         return int(raw) if raw is not None else None
 
     # --- freshness: feedback -> served (clora.freshness) ------------------------------------
@@ -608,6 +688,12 @@ async def fetch_interaction_owners(client, interaction_ids: list[str]) -> list[s
     """`Registry.interaction_owners` on an asyncio Redis client (`redis.asyncio.Redis`), for a
     server that must not block its event loop on the lookup."""
     return _owners(await client.mget([_owner_key(i) for i in interaction_ids]))
+
+
+async def fetch_tinker_sampler_version(client, tenant_id: str, tinker_path: str) -> int | None:
+    """`Registry.tinker_sampler_version` on an asyncio Redis client (`redis.asyncio.Redis`)."""
+    raw = await client.hget(Registry._tkey(tenant_id) + ":tinker_samplers", tinker_path)
+    return int(raw) if raw is not None else None
 
 
 @dataclass(frozen=True)

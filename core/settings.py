@@ -45,9 +45,10 @@ class PlatformSettings(BaseSettings):
     admin_token: str | None = None
     """Token for the control-plane API and console. Unset: generated into `<data_dir>/admin_token`."""
 
-    services: list[Literal["webhook", "ingest", "console", "learner", "serving"]] = Field(
-        default_factory=lambda: ["webhook", "ingest", "console", "learner", "serving"])
-    """Which services `clora up` starts besides the broker and Redis (JSON list in the env)."""
+    services: list[Literal["webhook", "ingest", "console", "learner", "trainapi", "serving"]] = Field(
+        default_factory=lambda: ["webhook", "ingest", "console", "learner", "trainapi", "serving"])
+    """Which services `clora up` starts besides the broker and Redis (JSON list in the env).
+    `trainapi` is the Tinker-compatible training API; the learner runs its requests."""
 
     @property
     def logs_dir(self) -> Path:

@@ -12,5 +12,6 @@ no part imports it.
 | `demo`        | `clora demo`: three tenants learning from simulated traffic |
 | `experiments` | `clora bench experiments`: concurrent RL experiments against sequential ones |
 | `freshness_bench` | `clora bench freshness`: feedback -> served latency under a steady stream |
+| `tinker_bench` | `clora bench tinker`: an RL step through the Tinker SDK vs native; concurrent SDK clients |
 | `bench_platform` | fresh platforms for those benchmarks (`PlatformLauncher`) and where they answer |
 """

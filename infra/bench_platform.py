@@ -101,7 +101,7 @@ class PlatformLauncher:
         for k in ("CLORA_KAFKA_BOOTSTRAP", "CLORA_REDIS_URL"):   # always the platform's own broker and Redis
             os.environ.pop(k, None)
         ports = ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT", "CONSOLE_PORT", "GATEWAY_PORT",
-                 "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT")
+                 "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT", "TRAINAPI_PORT")
         os.environ.update({f"CLORA_{k}": str(free_port()) for k in ports})
         os.environ.update(self.model_env)
         os.environ.update(

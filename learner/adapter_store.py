@@ -238,6 +238,22 @@ class AdapterStore:
                 self.model.bind(None)
             self._states[state.tenant] = state
 
+    def remove(self, tenant: str) -> AdapterState:
+        """Drop `tenant`'s state from the store (and any device copy of it, unwritten); returns
+        the host state as it was last written back. The caller saved what it must keep."""
+        with self._lock:
+            if tenant not in self._states:
+                raise UnknownTenantError(tenant)
+            if self._active.tenant == tenant:
+                self._copy_out(self._active)
+            self._engine.drain()
+            for slot in (self._active, self._staging):
+                if slot.tenant == tenant:
+                    slot.tenant = None
+            if self._active.tenant is None and self.model.bank.params is not None:
+                self.model.bind(None)
+            return self._states.pop(tenant)
+
     def tenants(self) -> list[str]:
         return list(self._states)
 

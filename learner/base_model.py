@@ -56,6 +56,13 @@ def _is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def base_model_name(source: str | Path, path: Path) -> str:
+    """The name the base model prepared from `source` into `path` goes by: adapter versions record
+    it, and Tinker clients pass it as `base_model`. The Hugging Face id for the default
+    (`SMOLLM2_NAME`), else the folder's path."""
+    return SMOLLM2_NAME if str(source) == DEFAULT_SOURCE else str(path)
+
+
 def prepare_base_model(source: str | Path = DEFAULT_SOURCE, cache_dir: Path | str = ".clora/models") -> Path:
     """Return a local HF model directory for `source`, converting the default GGUF once.
 

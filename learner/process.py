@@ -35,6 +35,7 @@ from clora.procs import Heartbeat
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
 from clora.learner.batches import ChatEncoder
+from clora.learner.external import ExternalWork
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.gate import PublishGate
 from clora.learner.lifecycle import TenantLifecycle
@@ -88,6 +89,9 @@ class Learner:
         self.rollback = RewardRollback(settings, registry, buffer, self.publisher, self.lifecycle, self.metrics)
         self._exposed_seen = 0.0
         """The store's exposed swap time already counted in `metrics.swap_exposed`."""
+        self.external: ExternalWork | None = None
+        """Work from outside the buffers the scheduler shares out too (the Tinker API's runs);
+        set after construction, since it runs on this learner's model and store."""
         self.lifecycle.restore()
 
     def policy(self, tenant) -> TrainingPolicy:
@@ -112,6 +116,8 @@ class Learner:
         tid = self.scheduler.pick(views).tenant
         if tid is None:
             return None
+        if self.external is not None and self.external.owns(tid):
+            return tid if self._run_external(tid) else None
         try:
             draw = self._draw(tid, registered[tid])
         except Exception as e:  # noqa: BLE001 - one tenant's failure must not stop every tenant's training
@@ -119,7 +125,22 @@ class Learner:
             return None
         if draw is None:
             return None
-        return tid if self._train_alone(draw, prefetch=self.scheduler.peek_next(views, after=tid)) else None
+        nxt = self.scheduler.peek_next(views, after=tid)
+        prefetch = nxt if nxt is not None and nxt in self.store else None
+        return tid if self._train_alone(draw, prefetch=prefetch) else None
+
+    def _run_external(self, key: str) -> bool:
+        """One unit of external work `key`, charged to it; whether something ran."""
+        try:
+            seconds = self.external.run(key)
+        except Exception:  # noqa: BLE001 - as a tenant's failure: the others train on
+            log.exception("external work %s failed", key)
+            seconds = None
+        if seconds is None:
+            self.scheduler.record(key, 0.0)
+            return False
+        self.scheduler.record(key, seconds)
+        return True
 
     def _train_alone(self, draw: Draw, prefetch: str | None = None) -> bool:
         """One serial step for `draw`'s tenant (prefetching `prefetch`'s state meanwhile), then its
@@ -145,7 +166,11 @@ class Learner:
             raise RuntimeError("tick_fused needs training_mode='fused'")
         views, registered = self._open_tick()
         draws = []
-        for tid in self.scheduler.pick_group(views, self.fused.max_tenants).tenants:
+        picked = self.scheduler.pick_group(views, self.fused.max_tenants).tenants
+        ran = tuple(k for k in picked if self.external is not None and self.external.owns(k) and self._run_external(k))
+        for tid in picked:
+            if self.external is not None and self.external.owns(tid):
+                continue
             try:
                 if (draw := self._draw(tid, registered[tid])) is not None:
                     draws.append(draw)
@@ -153,7 +178,7 @@ class Learner:
                 self.failures.failed([tid], e)
         alone = [d for d in draws if d.policy.algorithm in MIXED]
         draws = [d for d in draws if d.policy.algorithm not in MIXED]
-        trained_alone = tuple(d.tenant for d in alone if self._train_alone(d))
+        trained_alone = ran + tuple(d.tenant for d in alone if self._train_alone(d))
         if not draws:
             return trained_alone
         try:
@@ -178,6 +203,8 @@ class Learner:
             views, registered = self._views()
         if self.sampler.skip_flat(views, {v.id: self.policy(registered[v.id]) for v in views if v.eligible}):
             views, registered = self._views()
+        if self.external is not None:
+            views += self.external.views(registered)
         return views, registered
 
     def _views(self) -> tuple[list[TenantView], dict]:
@@ -247,7 +274,10 @@ class Learner:
             while not stop.is_set():
                 heartbeat.beat()
                 if self.tick() is None:
-                    stop.wait(self.s.idle_sleep_s)
+                    if self.external is not None:
+                        self.external.wait(self.s.idle_sleep_s)   # new external work wakes it at once
+                    else:
+                        stop.wait(self.s.idle_sleep_s)
         finally:
             self.shutdown()
 
@@ -257,6 +287,8 @@ class Learner:
         self.store.flush()
         for tenant in sorted(t for t, record in self.tenants.items() if record.dirty):
             self.lifecycle.checkpoint(tenant)
+        if self.external is not None:
+            self.external.close()
         self.store.close()
         log.info("learner stopped")
 
@@ -270,8 +302,10 @@ def _widen(window: tuple[float, float] | None, times: list[float]) -> tuple[floa
     return min(lo, *times), max(hi, *times)
 
 
-def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str) -> None:
-    """Entry point of `clora learner`: run until SIGTERM/SIGINT."""
+def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
+         external: Callable[[Learner, object], ExternalWork] | None = None) -> None:
+    """Entry point of `clora learner`: run until SIGTERM/SIGINT. `external(learner, redis)` builds
+    the work from outside the buffers it also schedules (`clora.trainapi.executor.make_tinker_work`)."""
     import signal
 
     import redis
@@ -280,7 +314,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str) -> Non
     from clora.ingest.buffers import ReplayBuffer
     from clora.ingest.producer import EventProducer
     from clora.ingest.schemas import TOPIC_ADAPTERS
-    from clora.learner.base_model import DEFAULT_SOURCE, SMOLLM2_NAME, load_base_model, prepare_base_model
+    from clora.learner.base_model import base_model_name, load_base_model, prepare_base_model
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -304,5 +338,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str) -> Non
         producer.send_sync(TOPIC_ADAPTERS, event.tenant, event.model_dump_json())
 
     learner = Learner(settings, model, tok, registry=Registry(client), buffer=ReplayBuffer(client), announce=announce,
-                      base_model_name=SMOLLM2_NAME if settings.base_model == DEFAULT_SOURCE else str(path), metrics=metrics, device=device)
+                      base_model_name=base_model_name(settings.base_model, path), metrics=metrics, device=device)
+    if external is not None:
+        learner.external = external(learner, client)
     learner.run_forever(stop)

@@ -14,6 +14,13 @@ in the registry, made live, and an `AdapterEvent` is announced through the injec
 
 `import_adapter` publishes an existing PEFT LoRA folder (a tenant's `init_adapter`) the same
 way, as a version with step 0 and `imported_from` set, after checking it fits the layout.
+
+A Tinker training run's weights saved for sampling (`clora.trainapi`) are published the same
+way with `make_live=False` and `source="tinker"`: written and recorded, servable pinned as
+`tenant@vN` (the gateway loads a pinned version on demand), but the tenant's live version does
+not change and nothing is announced (an `AdapterEvent` tells serving to swap to the live
+version; a version that is not live changes nothing there). Retention and the default rollback
+target are the continuous learner's versions alone; see `prune`.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Literal, Protocol
 
 import torch
 
@@ -95,15 +102,20 @@ class Publisher:
         return removed
 
     def prune(self, tenant: str, keep: int) -> list[int]:
-        """Delete every version but the newest `keep`, the live one and its `keep` newest
-        ancestors (where the reward guard rolls back to): their registry records first, so
-        nothing resolves them from then on, then their folders (and folders a crash left between
-        the two). A replica that has one loaded keeps serving it until it unloads it. Returns
-        the versions deleted."""
+        """Delete every version but the newest `keep` the learner made, the live one and its
+        `keep` newest ancestors (where the reward guard rolls back to), the newest `keep` a Tinker
+        run saved without a name (`save_weights_and_get_sampling_client`, one per RL step), and
+        every one a Tinker run saved by name (its `tinker://` path stays valid): their registry
+        records first, so nothing resolves them from then on, then their folders (and folders a
+        crash left between the two). A replica that has one loaded keeps serving it until it
+        unloads it. Returns the versions deleted."""
         if keep < 1:
             return []
         versions = {v.version: v for v in self.registry.adapter_versions(tenant)}
-        kept = set(sorted(versions)[-keep:])
+        learner = sorted(n for n, v in versions.items() if v.source is None)
+        unnamed = sorted(n for n, v in versions.items() if v.source is not None and v.tinker_path is None)
+        named = {n for n, v in versions.items() if v.source is not None and v.tinker_path is not None}
+        kept = set(learner[-keep:]) | set(unnamed[-keep:]) | named
         v = self.registry.live_version(tenant)
         for _ in range(keep + 1):
             if v is None or v not in versions:
@@ -122,10 +134,14 @@ class Publisher:
                 eval_scores: dict[str, float], parent_version: int | None = None,
                 feedback_window: tuple[float, float] | None = None,
                 lineage: VersionLineage | None = None,
-                imported_from: str | None = None) -> AdapterVersion:
+                imported_from: str | None = None, make_live: bool = True,
+                source: Literal["tinker"] | None = None, tinker_path: str | None = None) -> AdapterVersion:
         """Write, record, make live and announce a new version of `tenant`'s adapter. `lineage`:
         the feedback events first trained in it (None: none), stored before the version is
-        live, so that the gateway that serves it first finds them."""
+        live, so that the gateway that serves it first finds them. `make_live=False` stops after
+        recording it (no live change, no announcement). `source`, `tinker_path`: who made it
+        (`AdapterVersion.source`: "tinker" for a Tinker run's sampler weights) and the path the
+        Tinker SDK knows it by."""
         version = self.next_version(tenant)
         d = self.tenant_dir(tenant)
         d.mkdir(parents=True, exist_ok=True)
@@ -133,7 +149,7 @@ class Publisher:
         meta = AdapterVersion(version=version, path=str(final.resolve()), base_model=self.base_model,
                               parent_version=parent_version, step=step, examples_seen=examples_seen,
                               eval_scores=eval_scores, feedback_window=feedback_window,
-                              imported_from=imported_from)
+                              imported_from=imported_from, source=source, tinker_path=tinker_path)
         try:
             tmp.mkdir()
             write_adapter(tmp, self.layout, flat, self.base_model)
@@ -150,6 +166,8 @@ class Publisher:
         if lineage is not None and lineage.events:
             self.registry.record_lineage(tenant, version, lineage)
         self.registry.record_adapter_version(tenant, meta)
+        if not make_live:
+            return meta
         self.registry.set_live_version(tenant, version)
         self._announce(AdapterEvent(tenant=tenant, action="published", version=version, path=meta.path,
                                     base_model=self.base_model, parent_version=parent_version,
@@ -175,11 +193,12 @@ class Publisher:
         return version, flat
 
     def rollback(self, tenant: str, to_version: int | None = None) -> AdapterVersion:
-        """Make an earlier version live: `to_version`, or the one before the live one."""
+        """Make an earlier version live: `to_version`, or the learner's newest version before the
+        live one (a Tinker run's saved weights are never picked: they only go live when named)."""
         versions = {v.version: v for v in self.registry.adapter_versions(tenant)}
         live = self.registry.live_version(tenant)
         if to_version is None:
-            older = [v for v in versions if live is None or v < live]
+            older = [n for n, v in versions.items() if v.source is None and (live is None or n < live)]
             if not older:
                 raise PublishError(f"{tenant} has no version older than live v{live} to roll back to")
             to_version = max(older)

@@ -8,6 +8,7 @@ live LoRA adapter version.
 | `errors`        | the errors the gateway answers, in OpenAI's shape |
 | `request_fields`| the allow-list: request fields the gateway accepts and forwards, checked for type and range |
 | `completions`   | the upstream request sent to vLLM, the client's response, the recorded interaction events |
+| `tinker_sampling` | the Tinker training API's token-level sampling route: request, upstream body, answer |
 | `aliases`       | `AdapterRef` (one immutable version) and the tenant -> live version table |
 | `hotswap`       | keeping each tenant's alias on the registry's live version (load, switch, drain, unload) |
 | `engine`        | the replicas behind the gateway: routing, on-demand loading, eviction, restarts |

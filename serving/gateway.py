@@ -2,13 +2,17 @@
 quotas, streaming pass-through, interaction logging.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /v1/models/{model}`, `GET /health`.
+`GET /v1/models/{model}`, `GET /health`, and `POST /v1/tinker/sample`, the Tinker training
+API's token-level sampling (`clora.serving.tinker_sampling`; Tinker keys only).
 
 `model` is the base model name, the caller's tenant id (its live adapter version; the base
-model until its first version is live) or a pinned version `tenant@v7`
-(`clora.ids.served_name`). Any other tenant's model answers 404 `model_not_found`, exactly
-like a model that does not exist. The response `id` is the interaction id: it is claimed in
-the registry for the caller's tenant before the response is sent, and feedback names it.
+model until its first version is live), a pinned version `tenant@v7`
+(`clora.ids.served_name`), or the `tinker://<model id>/sampler_weights/<name>` path a Tinker
+run of the caller's tenant saved (`Registry.tinker_sampler_version`: the version it was
+published as, never live by itself, loaded on demand like any pinned one). Any other tenant's
+model or path answers 404 `model_not_found`, exactly like a model that does not exist. The
+response `id` is the interaction id: it is claimed in the registry for the caller's tenant
+before the response is sent, and feedback names it.
 The first completion answered with each adapter version starts its freshness measurement
 (`clora.serving.freshness`), off the request path.
 """
@@ -36,9 +40,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from clora.registry import ApiKeyPrincipal, Registry, RegistryError
 from clora.ids import SERVED_NAME_RE, Id, parse_served_name, served_name
-from clora.web import HttpError, bearer_token, install_error_handlers, read_body, too_deep
+from clora.web import HttpError, api_key, bearer_token, install_error_handlers, read_body, too_deep
 from clora.ingest.schemas import Message
-from clora.serving import errors
+from clora.serving import errors, tinker_sampling
 from clora.serving.aliases import AdapterRef
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable, Lease
@@ -51,6 +55,8 @@ from clora.serving.record_quota import RecordQuota
 from clora.serving.request_fields import Bounds, Refused, check_fields
 from clora.serving.settings import GatewaySettings, tenant_limits
 from clora.serving.traffic import CLIENT_LEFT
+
+TINKER_SCHEME = "tinker://"
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +147,15 @@ class Gateway:
             raise errors.invalid_api_key()
         return principal
 
+    async def authenticate_tinker(self, request: Request) -> ApiKeyPrincipal:
+        """The tenant of the Tinker key (`tml-...`) in `X-API-Key` or `Authorization: Bearer`;
+        any other key or token is 401."""
+        key = api_key(request.headers)
+        principal = await asyncio.to_thread(self.registry.authenticate_tinker, key) if key else None
+        if principal is None:
+            raise HttpError(401, "invalid_api_key", "a Tinker key (tml-...) is required in X-API-Key")
+        return principal
+
     async def read_json(self, request: Request) -> dict[str, Any]:
         raw = await read_body(request, self.settings.max_body_bytes)
         try:
@@ -204,12 +219,21 @@ class Gateway:
         """The adapter `model` names for this caller (None: the base model)."""
         if model == self.engine.settings.base_name:
             return None
-        tenant, version = parse_served_name(model)
-        if tenant != principal.tenant:
-            raise errors.model_not_found(model)
-        if version is None:
-            # A tenant's model exists from its creation: the base model until a version is live.
-            return await self.swapper.live_ref(tenant)
+        if model.startswith(TINKER_SCHEME):  # looked up for the caller's tenant only
+            tenant = principal.tenant
+            try:
+                version = await asyncio.to_thread(self.registry.tinker_sampler_version, tenant, model)
+            except RegistryError as e:
+                raise errors.model_not_found(model) from e
+            if version is None:
+                raise errors.model_not_found(model)
+        else:
+            tenant, version = parse_served_name(model)
+            if tenant != principal.tenant:
+                raise errors.model_not_found(model)
+            if version is None:
+                # A tenant's model exists from its creation: the base model until a version is live.
+                return await self.swapper.live_ref(tenant)
         try:
             av = await asyncio.to_thread(self.registry.adapter_version, tenant, version)
         except RegistryError as e:
@@ -260,18 +284,25 @@ class Gateway:
     # --- completions --------------------------------------------------------------------
 
     async def complete(self, request: Request, kind: Kind, path: str) -> Response:
-        started, tenant = time.monotonic(), UNAUTHENTICATED
+        started = time.monotonic()
+        return await self._counted(kind, started, self.authenticate(request),
+                                   lambda principal: self._complete(principal, request, kind, path, started))
+
+    async def _counted(self, kind: str, started: float, authenticated, serve) -> Response:
+        """Answer with `serve(principal)` once `authenticated` gives the principal, counting the
+        answer (or the error) in the metrics under `kind`; a stream counts when it ends."""
+        tenant = UNAUTHENTICATED
         try:
-            principal = await self.authenticate(request)
+            principal = await authenticated
             tenant = principal.tenant
-            response = await self._complete(principal, request, kind, path, started)
+            response = await serve(principal)
         except HttpError as e:
             self.metrics.answered(tenant, kind, e.status, time.monotonic() - started)
             raise
         except Exception:
             self.metrics.answered(tenant, kind, 500, time.monotonic() - started)
             raise
-        if not isinstance(response, OwnedStream):  # a stream counts when it ends
+        if not isinstance(response, OwnedStream):
             self.metrics.answered(tenant, kind, response.status_code, time.monotonic() - started)
         return response
 
@@ -355,13 +386,17 @@ class Gateway:
         self.engine.report_error(lease.replica, e)
         return errors.unavailable(f"engine replica {lease.replica.index} failed {when}: {e!r}")
 
-    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease) -> Response:
+    async def _post(self, url: str, up: dict[str, Any], lease: Lease) -> httpx.Response:
+        """POST `up` to the leased replica; its failures as the gateway's 503 or 504."""
         try:
-            r = await self.engine.http.post(url, json=up, timeout=self.settings.upstream_timeout_s)
+            return await self.engine.http.post(url, json=up, timeout=self.settings.upstream_timeout_s)
         except UPSTREAM_BROKEN as e:
             raise self._upstream_broken(lease, e, "mid-request") from e
         except httpx.TimeoutException as e:
             raise errors.timeout(self.settings.upstream_timeout_s) from e
+
+    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease) -> Response:
+        r = await self._post(url, up, lease)
         if r.status_code != 200:
             return _upstream_error(r.status_code, r.content)
         try:
@@ -428,6 +463,34 @@ class Gateway:
 
         stack.callback(ended)
         return OwnedStream(relay(), stack)
+
+    # --- Tinker sampling (clora.serving.tinker_sampling) --------------------------------
+
+    async def tinker_sample(self, request: Request) -> Response:
+        return await self._counted(tinker_sampling.KIND, time.monotonic(), self.authenticate_tinker(request),
+                                   lambda principal: self._tinker_sample(principal, request))
+
+    async def _tinker_sample(self, principal: ApiKeyPrincipal, request: Request) -> Response:
+        body = await self.read_json(request)
+        try:
+            admitted = tinker_sampling.parse(body, self.limits, self.engine.settings.max_model_len)
+        except tinker_sampling.Refused as e:
+            raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
+        ref = await self.resolve(principal, admitted.request.model)
+        async with contextlib.AsyncExitStack() as stack:
+            lease = await self._hold(stack, principal.tenant, ref, admitted.engine_n)
+            up = tinker_sampling.upstream_body(admitted, lease.model, self.cache_salt(principal.tenant))
+            r = await self._post(lease.replica.url + "/v1/completions", up, lease)
+            if r.status_code != 200:
+                return _upstream_error(r.status_code, r.content)
+            try:
+                out = tinker_sampling.sample_result(r.json(), admitted)
+            except (tinker_sampling.BadEngineResponse, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise HttpError(502, "bad_engine_response", f"engine replica {lease.replica.index} answered "
+                                f"something that is not the samples asked for: {e!r}", type="server_error") from e
+        self.metrics.served(principal.tenant, len(admitted.request.prompt),
+                            sum(len(s["tokens"]) for s in out["sequences"]), recorded=True)
+        return JSONResponse(out)
 
     # --- models -------------------------------------------------------------------------
 
@@ -508,6 +571,10 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gw.complete(request, "completion", "/v1/completions")
+
+    @app.post(tinker_sampling.PATH)
+    async def tinker_sample(request: Request) -> Response:
+        return await gw.tinker_sample(request)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

@@ -12,54 +12,19 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from tests.chat_template import parse_tool_calls
-from clora.procs import free_port, port_open
+from clora.procs import ServerThread, free_port, port_open  # noqa: F401 - ServerThread: the fixtures' server
 from clora.ingest.schemas import FeedbackBatchIn, FeedbackIn
 
 Policy = Callable[[dict[str, Any], int], str]
 """(request body, choice index) -> the text the model generates."""
-
-
-class ServerThread:
-    """uvicorn serving an app on a free port in a daemon thread; `start()`/`stop()`, or `with`.
-
-    `lifespan="off"` for the fakes (they have no startup work); the real apps the integration
-    fixtures serve run theirs (`lifespan="auto"`, uvicorn's default)."""
-
-    def __init__(self, app, lifespan: str = "off"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan=lifespan))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self, timeout_s: float = 20.0) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not port_open("127.0.0.1", self.port, timeout=0.2):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn on port {self.port} did not start within {timeout_s:.0f} s")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-    def __enter__(self) -> "ServerThread":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 class FakeOpenAI:

@@ -155,17 +155,17 @@ async function createTenant(ev) {
   } catch (e) { showError(e); }
 }
 
-function showKey(key, label) {
-  document.getElementById("new-key").replaceChildren(
-    el("p", {}, label + " — shown once, copy it now:"), el("code", { class: "key", id: "shown-key" }, key));
+function showKey(key, label, slot = "new-key", id = "shown-key") {
+  document.getElementById(slot).replaceChildren(
+    el("p", {}, label + " — shown once, copy it now:"), el("code", { class: "key", id }, key));
 }
 
 async function renderTenant(id, first) {
   const enc = encodeURIComponent(id);
-  const [t, versions, metrics, feedback, buffers, traffic, freshness] = await Promise.all([
+  const [t, versions, metrics, feedback, buffers, traffic, freshness, tinkerKeys] = await Promise.all([
     api(`/tenants/${enc}`), api(`/tenants/${enc}/versions`), api(`/tenants/${enc}/metrics`),
     api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`), api(`/tenants/${enc}/traffic?minutes=60`),
-    api(`/tenants/${enc}/freshness`)]);
+    api(`/tenants/${enc}/freshness`), api(`/tenants/${enc}/tinker-keys`)]);
   if (first) {
     view().replaceChildren(
       el("p", {}, el("a", { href: "#/" }, "← all tenants")),
@@ -178,6 +178,9 @@ async function renderTenant(id, first) {
       el("section", { class: "card" }, el("h2", {}, "Adapter versions"), el("div", { id: "versions-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Learning policy"), policyForm(id, t.policy)),
       el("section", { class: "card" }, el("h2", {}, "API keys"), el("div", { id: "keys-slot" }), el("div", { id: "new-key" })),
+      el("section", { class: "card" }, el("h2", {}, "Tinker keys"),
+        el("p", { class: "muted" }, "For the Tinker-compatible training API: the official tinker SDK trains LoRA runs as this tenant with one (TINKER_API_KEY)."),
+        el("div", { id: "tinker-keys-slot" }), el("div", { id: "new-tinker-key" })),
       el("section", { class: "card" }, el("h2", {}, "Recent feedback"), el("div", { id: "feedback-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Replay buffers"), el("div", { id: "buffers-slot" })));
   }
@@ -231,7 +234,10 @@ async function renderTenant(id, first) {
     el("thead", {}, el("tr", {}, ["version", "parent", "step", "examples", "eval", "served reward", "feedback → served p50 / p99", "feedback window", "created", ""].map(h => el("th", {}, h)))),
     el("tbody", {}, versions.versions.slice().reverse().map(v => el("tr", { "data-version": v.version },
       el("td", { class: v.version === versions.live ? "live" : "" }, "v" + v.version + (v.version === versions.live ? " (live)" : ""),
-        v.rolled_back ? el("div", { class: "rolled-back", title: v.rolled_back.reason }, `rolled back to v${v.rolled_back.to} by the ${v.rolled_back.guard === "reward_hacking" ? "reward-hacking" : "reward"} guard`) : ""),
+        v.rolled_back ? el("div", { class: "rolled-back", title: v.rolled_back.reason }, `rolled back to v${v.rolled_back.to} by the ${v.rolled_back.guard === "reward_hacking" ? "reward-hacking" : "reward"} guard`) : "",
+        // weights a Tinker training run saved for sampling (never made live by it)
+        v.source === "tinker" ? el("div", { class: "tinker", title: "saved through the Tinker-compatible training API" },
+          "from the Tinker API", el("div", { class: "mono" }, v.tinker_path || "unnamed sampler (save_weights_and_get_sampling_client)")) : ""),
       el("td", {}, v.parent_version === null ? "—" : "v" + v.parent_version),
       el("td", {}, String(v.step)), el("td", {}, String(v.examples_seen)),
       el("td", { class: "mono" }, Object.entries(v.eval_scores).map(([k, s]) => `${k}=${fmtNum(s)}`).join(" ")),
@@ -249,6 +255,7 @@ async function renderTenant(id, first) {
     el("tfoot", {}, el("tr", {}, el("td", { colspan: 4 },
       el("button", { id: "new-key-btn", onclick: () => keyAction(api(`/tenants/${enc}/keys`, { method: "POST" })) }, "new key"), " ",
       el("button", { onclick: () => keyAction(api(`/tenants/${enc}/keys/rotate`, { method: "POST" })) }, "rotate (revoke all others)"))))));
+  renderTinkerKeys(enc, tinkerKeys.tinker_keys);
   document.getElementById("feedback-slot").replaceChildren(el("table", { id: "feedback" },
     el("thead", {}, el("tr", {}, ["time", "interaction", "prompt → answer (version)", "source", "key", "score", "comment", "correction"].map(h => el("th", {}, h)))),
     el("tbody", {}, feedback.feedback.map(f => el("tr", {},
@@ -266,6 +273,25 @@ async function renderTenant(id, first) {
     // scores the reward spec refused: stored and listed above, not trained on
     el("p", { class: "muted", id: "untrained-feedback" }, "not trained (reward spec): " +
       (Object.entries(t.untrained_feedback).map(([why, n]) => `${why.replaceAll("_", " ")} ${n}`).join(" · ") || "none")));
+}
+
+// the tenant's keys for the training API: issue one (shown once), revoke one
+function renderTinkerKeys(enc, keys) {
+  const issue = async () => {
+    try {
+      const res = await api(`/tenants/${enc}/tinker-keys`, { method: "POST" });
+      showKey(res.tinker_key, "new Tinker key", "new-tinker-key", "shown-tinker-key");
+      refresh();
+    } catch (e) { showError(e); }
+  };
+  document.getElementById("tinker-keys-slot").replaceChildren(el("table", { id: "tinker-keys" },
+    el("thead", {}, el("tr", {}, ["key id", "created", "state", ""].map(h => el("th", {}, h)))),
+    el("tbody", {}, keys.map(k => el("tr", { "data-key": k.key_id },
+      el("td", { class: "mono" }, k.key_id), el("td", {}, fmtTime(k.created_at)),
+      el("td", {}, k.revoked_at ? "revoked " + fmtTime(k.revoked_at) : "active"),
+      el("td", {}, k.revoked_at ? "" : el("button", { class: "revoke-tinker-key", onclick: () => act(() => api(`/tenants/${enc}/tinker-keys/${encodeURIComponent(k.key_id)}`, { method: "DELETE" })) }, "revoke"))))),
+    el("tfoot", {}, el("tr", {}, el("td", { colspan: 4 },
+      el("button", { id: "new-tinker-key-btn", onclick: issue }, "new Tinker key"))))));
 }
 
 function policyForm(id, p) {

@@ -157,3 +157,41 @@ def test_a_reward_spec_is_stored_with_the_policy_and_a_bad_one_changes_nothing(r
     stored = registry.get_tenant(tenant_id).policy.reward_spec
     assert stored.judge("thumbs", "user", 1) == Reward(1.0, 2.0)
     assert stored.judge("thumbs", "judge", 1) == Untrained("untrusted_source")
+
+
+def test_a_tinker_sampler_path_maps_to_its_version_for_its_tenant_only(registry, stack, tenant_id):
+    import asyncio
+
+    import redis.asyncio
+
+    from clora.registry import AdapterVersion, fetch_tinker_sampler_version
+
+    other = tenant_id + "-b"
+    registry.create_tenant(tenant_id)
+    registry.create_tenant(other)
+    path = "tinker://s1:train:0/sampler_weights/final"
+    registry.record_adapter_version(tenant_id, AdapterVersion(version=3, path="/a/v3", base_model="tiny",
+                                                              source="tinker", tinker_path=path))
+    recorded = registry.adapter_version(tenant_id, 3)
+    assert (recorded.source, recorded.tinker_path) == ("tinker", path) and registry.live_version(tenant_id) is None
+    assert registry.tinker_sampler_version(tenant_id, path) is None
+    with pytest.raises(RegistryError, match="no adapter version 4"):
+        registry.record_tinker_sampler(tenant_id, path, 4)
+    with pytest.raises(RegistryError, match="not a tinker:// path"):
+        registry.record_tinker_sampler(tenant_id, "/a/v3", 3)
+    registry.record_tinker_sampler(tenant_id, path, 3)
+    assert registry.tinker_sampler_version(tenant_id, path) == 3
+    assert registry.tinker_sampler_version(other, path) is None            # another tenant's path: unknown
+    assert registry.tinker_sampler_version(tenant_id, path + "x") is None
+
+    async def fetched(tenant: str) -> int | None:
+        client = redis.asyncio.Redis.from_url(stack.redis_url)
+        try:
+            return await fetch_tinker_sampler_version(client, tenant, path)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(fetched(tenant_id)) == 3 and asyncio.run(fetched(other)) is None
+    with pytest.raises(TenantNotFound):
+        registry.tinker_sampler_version("acme:keys", path)
+

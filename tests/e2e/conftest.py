@@ -32,7 +32,8 @@ def platform(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("e2e")
     model = tiny_model
     ports = {k: free_port() for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT", "INGEST_METRICS_PORT",
-                                      "CONSOLE_PORT", "GATEWAY_PORT", "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT")}
+                                      "CONSOLE_PORT", "GATEWAY_PORT", "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT",
+                                      "TRAINAPI_PORT")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
     env.update({f"CLORA_{k}": str(v) for k, v in ports.items()})
     env.update(CLORA_DATA_DIR=str(root / "data"), CLORA_ENGINE_MODEL=str(model), CLORA_LEARNER_BASE_MODEL=str(model),
@@ -48,6 +49,7 @@ def platform(tmp_path_factory, tiny_model):
         assert deadline_ok and up.poll() is None, log.read_text()[-4000:]
         yield {"env": env, "gateway": gateway, "webhook": f"http://127.0.0.1:{ports['WEBHOOK_PORT']}",
                "console": f"http://127.0.0.1:{ports['CONSOLE_PORT']}", "root": root, "model": model,
+               "trainapi": f"http://127.0.0.1:{ports['TRAINAPI_PORT']}",
                "token": (root / "data" / "admin_token").read_text().strip()}
     finally:
         up.send_signal(signal.SIGTERM)

@@ -26,7 +26,8 @@ def test_demo_runs_the_platform_and_reports_every_tenant(tmp_path, tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
     env.update({f"CLORA_{k}": str(free_port()) for k in ("BROKER_PORT", "REDIS_PORT", "WEBHOOK_PORT",
                                                          "INGEST_METRICS_PORT", "CONSOLE_PORT", "GATEWAY_PORT",
-                                                         "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT")})
+                                                         "LEARNER_METRICS_PORT", "GATEWAY_METRICS_PORT",
+                                                         "TRAINAPI_PORT")})
     env.update(CLORA_DATA_DIR=str(tmp_path / "data"), CLORA_ENGINE_MODEL=str(model),
                CLORA_LEARNER_BASE_MODEL=str(model), CLORA_ENGINE_PORTS=json.dumps([free_port()]),
                CLORA_ENGINE_MAX_MODEL_LEN="1024", CLORA_LEARNER_RANK="4", CLORA_LEARNER_ALPHA="8")

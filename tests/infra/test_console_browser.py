@@ -1,6 +1,7 @@
 """The console in a real headless browser (Debian's chromium, driven by Playwright) against a
-running stack: sign in, create a tenant and see its key once, watch the buffer grow as
-feedback arrives, roll back a version, and prove hostile text is shown, not executed.
+running stack: sign in, create a tenant and see its key once (a Tinker key too), watch the
+buffer grow as feedback arrives, roll back a version, and prove hostile text is shown, not
+executed.
 Screenshots of each page go to test-artifacts/."""
 
 from __future__ import annotations
@@ -225,6 +226,26 @@ def test_the_tenant_page_shows_each_versions_feedback_to_served_latency(page, re
     assert page.inner_text("tr[data-version='1'] td.freshness") == "no feedback (2.5 s to serve)"
     assert page.locator("#freshness circle.dot").count() == 4      # v2's p50 and p99; both versions' publish -> served
     shot(page, "tenant-freshness")
+
+
+def test_the_tenant_page_issues_a_tinker_key_shown_once_and_revokes_it(page, registry, tenant_id):
+    registry.create_tenant(tenant_id, name="Research")
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    page.wait_for_selector("#tinker-keys")
+    assert page.locator("#tinker-keys tbody tr").count() == 0
+    page.click("#new-tinker-key-btn")
+    key = page.wait_for_selector("#shown-tinker-key").inner_text()
+    assert key.startswith("tml-") and registry.authenticate_tinker(key).tenant == tenant_id
+    key_id = registry.authenticate_tinker(key).key_id
+    row = page.wait_for_selector(f"#tinker-keys tr[data-key='{key_id}']")
+    assert "active" in row.inner_text()
+    shot(page, "tenant-tinker-key")
+    page.reload()
+    page.wait_for_selector(f"#tinker-keys tr[data-key='{key_id}']")
+    assert key not in page.content() and page.query_selector("#shown-tinker-key") is None
+    page.click(f"#tinker-keys tr[data-key='{key_id}'] button.revoke-tinker-key")
+    page.wait_for_selector(f"#tinker-keys tr[data-key='{key_id}']:has-text('revoked')")
+    assert registry.authenticate_tinker(key) is None
 
 
 def test_hostile_text_is_escaped(page, stack, registry, webhook, ingest_worker, tenant_id):

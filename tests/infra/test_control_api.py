@@ -20,7 +20,9 @@ ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenan
           ("DELETE", "/api/tenants/x/keys/k"), ("GET", "/api/tenants/x/versions"),
           ("POST", "/api/tenants/x/rollback"), ("GET", "/api/tenants/x/feedback"), ("GET", "/api/dlq"),
           ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers"),
-          ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events"), ("GET", "/api/tenants/x/freshness")]
+          ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events"), ("GET", "/api/tenants/x/freshness"),
+          ("POST", "/api/tenants/x/tinker-keys"), ("GET", "/api/tenants/x/tinker-keys"),
+          ("DELETE", "/api/tenants/x/tinker-keys/k")]
 
 
 def admin(console) -> dict[str, str]:
@@ -279,12 +281,12 @@ def test_a_new_tenant_that_cannot_be_is_422_naming_the_field(console, registry, 
 
 @pytest.mark.parametrize("suffix", [":keys", ":versions", ":live", "%0A", ":metrics"])
 @pytest.mark.parametrize("route", ["", "/versions", "/buffers", "/feedback", "/metrics", "/traffic", "/policy",
-                                   "/keys", "/freshness"])
+                                   "/keys", "/freshness", "/tinker-keys"])
 def test_an_id_that_would_reach_another_redis_key_is_404_naming_tenant_id(console, registry, tenant_id, suffix, route):
     """`acme:keys` once read acme's key hash as a tenant (WRONGTYPE, 500)."""
     _, key = registry.create_tenant(tenant_id)
     registry.append_metrics(tenant_id, {"step": 1})
-    method = {"/policy": "PATCH", "/keys": "POST"}.get(route, "GET")
+    method = {"/policy": "PATCH", "/keys": "POST", "/tinker-keys": "POST"}.get(route, "GET")
     r = httpx.request(method, f"{console.url}/api/tenants/{tenant_id}{suffix}{route}", headers=admin(console),
                       json={"paused": True} if method == "PATCH" else None)
     assert r.status_code == 404 and r.json()["error"]["field"] == "tenant_id", r.text

@@ -32,6 +32,8 @@ OPERATIONS = [
     ("GET", "/api/tenants/{tenant_id}/feedback"), ("GET", "/api/tenants/{tenant_id}/metrics"),
     ("GET", "/api/tenants/{tenant_id}/traffic"), ("GET", "/api/dlq"), ("POST", "/api/dlq/{event_id}/replay"),
     ("GET", "/api/platform/events"), ("GET", "/api/tenants/{tenant_id}/freshness"),
+    ("POST", "/api/tenants/{tenant_id}/tinker-keys"), ("GET", "/api/tenants/{tenant_id}/tinker-keys"),
+    ("DELETE", "/api/tenants/{tenant_id}/tinker-keys/{key_id}"),
 ]
 """Every operation of the control API's schema (`test_every_operation_is_fuzzed` keeps the list whole)."""
 

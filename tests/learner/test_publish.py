@@ -148,3 +148,65 @@ def test_only_whole_version_folder_names_count_as_versions(pub):
         (tenant_dir / name).mkdir(parents=True)
     assert pub.versions_on_disk("acme") == [3, 12]
     assert pub.next_version("acme") == 13
+
+
+# --- a Tinker training run's sampler weights (clora.trainapi) ------------------------------
+
+TINKER_PATH = "tinker://s1:train:0/sampler_weights/final"
+
+
+def test_a_tinker_version_is_recorded_and_servable_but_neither_made_live_nor_announced(pub):
+    p, events = pub
+    live = p.publish("acme", _flat(p, 1), step=3, examples_seen=24, eval_scores={})
+    tinker = p.publish("acme", _flat(p, 2), step=5, examples_seen=0, eval_scores={}, make_live=False,
+                       source="tinker", tinker_path=TINKER_PATH)
+    assert tinker.version == 2 and (tinker.source, tinker.tinker_path, tinker.parent_version) == \
+        ("tinker", TINKER_PATH, None)
+    assert p.registry.live_version("acme") == live.version == 1          # serving keeps the live one
+    assert [e.version for e in events] == [1]                             # an event would mean "swap to live"
+    recorded = p.registry.adapter_versions("acme")[-1]
+    assert (recorded.source, recorded.tinker_path) == ("tinker", TINKER_PATH)
+    meta = read_metadata(p.tenant_dir("acme") / "v2")
+    assert (meta.source, meta.tinker_path, meta.step) == ("tinker", TINKER_PATH, 5)
+    assert torch.equal(p.weights("acme", 2), _flat(p, 2))                # a whole PEFT folder, as any version
+    assert p.live_weights("acme").version == 1
+    # the learner's next version still numbers past it and names the live one as its parent
+    assert p.publish("acme", _flat(p, 3), step=4, examples_seen=32, eval_scores={}, parent_version=1).version == 3
+
+
+def test_a_learner_version_is_recorded_with_no_source(pub):
+    p, _ = pub
+    v = p.publish("acme", _flat(p, 1), step=1, examples_seen=1, eval_scores={})
+    assert (v.source, v.tinker_path) == (None, None)
+    assert read_metadata(p.tenant_dir("acme") / "v1").source is None
+
+
+def test_prune_counts_the_learners_versions_apart_and_keeps_every_named_tinker_version(pub):
+    p, _ = pub
+    made = {}
+    for i in range(1, 11):   # learner, unnamed Tinker, named Tinker, in turn
+        kind = ("learner", "unnamed", "named")[i % 3]
+        made[i] = kind
+        if kind == "learner":
+            p.publish("acme", _flat(p, i), step=i, examples_seen=i, eval_scores={})
+        else:
+            p.publish("acme", _flat(p, i), step=i, examples_seen=0, eval_scores={}, make_live=False, source="tinker",
+                      tinker_path=f"tinker://s1:train:0/sampler_weights/n{i}" if kind == "named" else None)
+    assert made == {1: "unnamed", 2: "named", 3: "learner", 4: "unnamed", 5: "named", 6: "learner",
+                    7: "unnamed", 8: "named", 9: "learner", 10: "unnamed"}
+    assert p.registry.live_version("acme") == 9
+    gone = p.prune("acme", 2)
+    assert gone == [1, 3, 4]      # the oldest learner version and all but the newest 2 unnamed Tinker ones
+    assert [v.version for v in p.registry.adapter_versions("acme")] == [2, 5, 6, 7, 8, 9, 10]
+    assert p.versions_on_disk("acme") == [2, 5, 6, 7, 8, 9, 10]
+
+
+def test_rollback_by_default_goes_to_the_learners_previous_version_never_a_tinker_one(pub):
+    p, _ = pub
+    p.publish("acme", _flat(p, 1), step=1, examples_seen=1, eval_scores={})
+    p.publish("acme", _flat(p, 2), step=2, examples_seen=0, eval_scores={}, make_live=False, source="tinker")
+    p.publish("acme", _flat(p, 3), step=3, examples_seen=3, eval_scores={}, parent_version=1)
+    assert p.rollback("acme").version == 1
+    with pytest.raises(PublishError, match="no version older"):
+        p.rollback("acme")
+    assert p.rollback("acme", 2).version == 2        # named explicitly: an operator's choice

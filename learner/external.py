@@ -1,0 +1,35 @@
+"""Work from outside the replay buffers that the learner's scheduler shares out with its tenants.
+
+    ExternalWork   what the loop asks of it: views to schedule, one unit of work, a wake-up wait
+
+The Tinker-compatible training API (`clora.trainapi.executor.TinkerWork`) is one: each training
+run with requests queued shows up as one more `TenantView`, weighted and prioritised as its
+tenant is, and the scheduler picks it as it picks a tenant, so a research loop and the
+continuously learning tenants share the device by the same rule. The learner never imports the
+package above it; `clora learner` passes it in (`process.main(..., external=...)`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from clora.learner.scheduler import TenantView
+
+
+class ExternalWork(Protocol):
+    def views(self, registered: dict) -> list[TenantView]:
+        """One view per unit of work that wants the device now; `registered` holds the registry's
+        tenants by id (admitted this tick). Ids must not collide with tenant ids."""
+
+    def owns(self, key: str) -> bool:
+        """Whether `key`, a picked view's id, is this work's."""
+
+    def run(self, key: str) -> float | None:
+        """Run one request of `key` on the learner's model and store; the seconds it took (the
+        scheduler charges them), None when there was nothing to run."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` or until new work arrives (the loop's idle wait)."""
+
+    def close(self) -> None:
+        """The learner stops: persist what must survive."""
