@@ -35,7 +35,7 @@ from clora.procs import Heartbeat
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
 from clora.learner.batches import ChatEncoder
-from clora.learner.external import ExternalWork
+from clora.learner.external import ExternalWork, metric_label
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.gate import PublishGate
 from clora.learner.lifecycle import TenantLifecycle
@@ -78,7 +78,7 @@ class Learner:
                                    max_padding=settings.fused_max_padding)
                       if settings.training_mode == "fused" else None)
         self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout)
-        self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
+        self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics, label=metric_label)
         self.tenants: defaultdict[str, LearnerTenant] = defaultdict(LearnerTenant)
         """The loop's record of each tenant, by id (created on first use)."""
         self.lifecycle = TenantLifecycle(settings, registry, self.store, self.publisher, self.fused, self.tenants)
