@@ -16,10 +16,18 @@ from typing import Protocol
 from clora.learner.scheduler import TenantView
 
 
+def metric_label(view_id: str) -> str:
+    """The metric label of a view: a tenant's id as it is; external work's id, `owner/kind/name`
+    (a Tinker run: `acme/tinker/<model id>`), as `owner/kind`, so that runs coming and going do
+    not grow the label set. Example: metric_label("acme/tinker/9f:train:0") == "acme/tinker"."""
+    return "/".join(view_id.split("/")[:2])
+
+
 class ExternalWork(Protocol):
     def views(self, registered: dict) -> list[TenantView]:
         """One view per unit of work that wants the device now; `registered` holds the registry's
-        tenants by id (admitted this tick). Ids must not collide with tenant ids."""
+        tenants by id (admitted this tick). Ids are `owner/kind/name` (`metric_label`), so they
+        never collide with a tenant id, which holds no "/"."""
 
     def owns(self, key: str) -> bool:
         """Whether `key`, a picked view's id, is this work's."""

@@ -35,7 +35,7 @@ from clora.procs import Heartbeat
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
 from clora.learner.batches import ChatEncoder
-from clora.learner.external import ExternalWork
+from clora.learner.external import ExternalWork, metric_label
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.gate import PublishGate
 from clora.learner.lifecycle import TenantLifecycle
@@ -43,7 +43,7 @@ from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.metrics import LearnerMetrics, append_history
 from clora.learner.publish import Publisher
 from clora.learner.rollback import RewardRollback
-from clora.learner.sampling import BufferLike, Draw, Sampler
+from clora.learner.sampling import BatchSeen, BufferLike, Draw, Sampler
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 from clora.learner.tenant import LearnerTenant
@@ -78,7 +78,7 @@ class Learner:
                                    max_padding=settings.fused_max_padding)
                       if settings.training_mode == "fused" else None)
         self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout)
-        self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics)
+        self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics, label=metric_label)
         self.tenants: defaultdict[str, LearnerTenant] = defaultdict(LearnerTenant)
         """The loop's record of each tenant, by id (created on first use)."""
         self.lifecycle = TenantLifecycle(settings, registry, self.store, self.publisher, self.fused, self.tenants)
@@ -209,7 +209,8 @@ class Learner:
 
     def _views(self) -> tuple[list[TenantView], dict]:
         """What the scheduler knows about each tenant that can train, and the registry tenants
-        by id. A tenant backing off after a failed step shows as paused."""
+        by id. A tenant backing off after a failed step, or whose flat RL batch is held for
+        more of its group (`Sampler.flat_cut`), shows as paused."""
         views, registered = [], {}
         for t in self.registry.list_tenants():
             if not self.lifecycle.admit(t):
@@ -217,14 +218,17 @@ class Learner:
             p = t.policy
             cursor = self.store.peek(t.id).cursor
             waiting = sum(self.buffer.newer_than(t.id, kind, cursor) for kind in EXAMPLE_KINDS[p.algorithm])
-            paused = p.paused or self.tenants[t.id].waits(time.monotonic())
+            record = self.tenants[t.id]
+            paused = (p.paused or record.waits(time.monotonic())
+                      or record.flat_held == BatchSeen(cursor, waiting, p.batch_size))
             views.append(TenantView(t.id, paused, p.weight, p.priority, p.min_new_examples, waiting))
             registered[t.id] = t
         return views, registered
 
     def _draw(self, tid: str, tenant) -> Draw | None:
         """`tid`'s batch for the step it was picked for, after following its live version; None
-        (and no step) when it has nothing of its algorithm's kind or a flat RL batch."""
+        (and no step) when it has nothing of its algorithm's kind or a flat RL batch (consumed
+        or held: `Sampler.consume_if_flat`)."""
         policy = self.policy(tenant)
         self.lifecycle.follow_live(tid)
         draw = self.sampler.draw(tid, policy)

@@ -12,6 +12,15 @@ the scheduler picks who trains every eligible on-policy tenant's batch is checke
 (`skip_flat`): a flat batch costs a buffer read, not a step, so it must not wait in the queue
 behind other tenants' steps while its tenant's next rollouts wait for it.
 
+A flat verdict holds only for whole groups, and the learner cannot tell a whole group from
+the start of one: an ingest poll can store part of a group's rewards, and a batch's cut can
+split a group. Consumed, the start of a group could never be judged with the rest of it, and
+the rest, fewer than the tenant's `min_new_examples`, would wait for the next rollouts while
+those wait for a version from it. So an on-policy flat batch is consumed only up to its newest
+group (`flat_cut`); that group's samples wait to be judged with what follows them. A tenant
+whose whole batch is such a group is held: not offered to the scheduler until its batch
+changes (`LearnerTenant.flat_held`).
+
 A mixed step (`auto`: corrections, pairs and scored samples together) takes the oldest
 `batch_size` examples past the cursor over all its kinds, in the buffer's sequence order (one
 counter per tenant across kinds), each trained once: `fresh_across`. Replaying older examples
@@ -116,8 +125,8 @@ class Sampler:
     def skip_flat(self, views: list[TenantView], policies: dict[str, TrainingPolicy]) -> bool:
         """Consume every eligible on-policy RL tenant's flat batch, before the scheduler picks
         who trains (`policies`: those of the eligible tenants). A batch is checked once per
-        `BatchSeen`. Returns whether any was consumed (the views are then stale)."""
-        consumed = False
+        `BatchSeen`. Returns whether any was flat: consumed or held (the views are then stale)."""
+        flat = False
         for v in views:
             policy = policies[v.id] if v.eligible else None
             if policy is None or not self.on_policy(policy):
@@ -128,21 +137,49 @@ class Sampler:
                 continue
             record.flat_checked = seen
             draw = self.draw(v.id, policy)
-            consumed |= bool(draw.examples) and self.consume_if_flat(draw)
-        return consumed
+            flat |= bool(draw.examples) and self.consume_if_flat(draw)
+        return flat
 
     def consume_if_flat(self, draw: Draw) -> bool:
-        """Move the cursor past `draw` without a step when it is a flat RL batch; True then."""
+        """Whether `draw` is a flat RL batch, which takes no step. Its samples are then consumed
+        (the cursor moves past them) as far as `flat_cut` allows; when it allows none, the tenant
+        is held until its batch changes (`LearnerTenant.flat_held`)."""
         if draw.policy.algorithm != "rl" or has_reward_spread([e.reward for e in draw.examples],
                                                               [e.group_id for e in draw.examples]):
             return False
         st = self.store.peek(draw.tenant)
-        st.cursor = max(st.cursor, draw.batch.cursor)
+        n = self.flat_cut(draw) if self.on_policy(draw.policy) else len(draw.examples)
+        if n == 0:
+            # all `draw.examples` were waiting (`flat_cut` holds back only a batch short of full)
+            self.tenants[draw.tenant].flat_held = BatchSeen(st.cursor, len(draw.examples), draw.policy.batch_size)
+            log.info("holding %s: its %d samples, one group without a reward spread so far, wait for more",
+                     draw.tenant, len(draw.examples))
+            return True
+        kinds = (draw.examples[0].kind,)
+        st.cursor = max(st.cursor, draw.batch.cursor if n == len(draw.examples) else
+                        cut(self.buffer, draw.tenant, kinds, st.cursor, draw.batch.cursor, n))
         self.tenants[draw.tenant].dirty = True
         self.scheduler.record(draw.tenant, 0.0)
         self.metrics.flat_batches.labels(draw.tenant).inc()
-        log.info("skipped %s: no group among its %d samples has a reward spread", draw.tenant, len(draw.examples))
+        log.info("skipped %s: no group among its %d samples has a reward spread (%d consumed, its newest group's "
+                 "%d wait)", draw.tenant, len(draw.examples), n, len(draw.examples) - n)
         return True
+
+    def flat_cut(self, draw: Draw) -> int:
+        """How many of on-policy flat batch `draw`'s samples, oldest first, to consume: those before
+        its newest group (the group of its newest sample), which may be incomplete, unless a sample
+        of another group lies past the batch (the group is complete) or the group fills the batch
+        alone (waiting would not change the batch). Example: batch size 8, groups a a a a b b b b
+        -> 4 (b waits); a sample of c past the batch -> 8; b b b b alone -> 0 (the tenant is held);
+        b b b b b b b b -> 8."""
+        examples = draw.examples
+        newest = examples[-1].group_id
+        first = next(i for i, e in enumerate(examples) if e.group_id == newest)
+        past = self.buffer.sample(draw.tenant, examples[0].kind, 1, cursor=draw.batch.cursor, fresh_fraction=1.0,
+                                  fill=False).examples
+        if (past and past[0].group_id != newest) or (first == 0 and len(examples) >= draw.policy.batch_size):
+            return len(examples)
+        return first
 
 
 @dataclass(frozen=True)
@@ -163,13 +200,24 @@ def fresh_across(buffer: BufferLike, tenant: str, kinds: tuple[str, ...], n: int
     counts, so no example is skipped: whatever is not taken now is past the new cursor."""
     batches = {k: buffer.sample(tenant, k, n, cursor=cursor, fresh_fraction=1.0, fill=False) for k in kinds}
     waiting = {k: buffer.newer_than(tenant, k, cursor) for k in kinds}
+    lo = cut(buffer, tenant, kinds, cursor, max(b.cursor for b in batches.values()), n, waiting)
+    examples = [e for k in kinds for e in batches[k].examples[:waiting[k] - buffer.newer_than(tenant, k, lo)]]
+    return MixedSample(examples, lo, len(examples))
+
+
+def cut(buffer: BufferLike, tenant: str, kinds: tuple[str, ...], cursor: int, hi: int, n: int,
+        waiting: dict[str, int] | None = None) -> int:
+    """The cursor after the oldest `n` examples of `kinds` past `cursor`: the largest sequence
+    number c in [cursor, hi] with at most `n` of them in (cursor, c], found by bisection on
+    `newer_than` counts (`waiting`: each kind's count past `cursor`, when already read).
+    Example: rl seqs 9, 10, 12, 15 past cursor 8, n 2, hi 15 -> 11."""
+    waiting = waiting if waiting is not None else {k: buffer.newer_than(tenant, k, cursor) for k in kinds}
 
     def taken(c: int) -> int:  # examples of every kind with a sequence number in (cursor, c]
         return sum(waiting[k] - buffer.newer_than(tenant, k, c) for k in kinds)
 
-    lo, hi = cursor, max(b.cursor for b in batches.values())
-    while lo < hi:  # the largest c in [cursor, hi] with taken(c) <= n
+    lo = cursor
+    while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if taken(mid) <= n else (lo, mid - 1)
-    examples = [e for k in kinds for e in batches[k].examples[:waiting[k] - buffer.newer_than(tenant, k, lo)]]
-    return MixedSample(examples, lo, len(examples))
+    return lo

@@ -76,9 +76,11 @@ class GroupDecision:
 
 class Scheduler:
     def __init__(self, *, max_wait_s: float = 600.0, metrics: LearnerMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, label: Callable[[str], str] = lambda view_id: view_id):
         self.max_wait_s = max_wait_s
         self.metrics = metrics
+        self.label = label
+        """A view's metric label: bounded however many views come and go (external work's)."""
         self.clock = clock
         self._vtime: dict[str, float] = {}
         self._share: dict[str, float] = {}
@@ -123,8 +125,8 @@ class Scheduler:
         chosen, reason = self._choose(eligible)
         if self.metrics is not None:
             for v in views:
-                self.metrics.waiting.labels(v.id).set(v.waiting)
-            self.metrics.decisions.labels(chosen.id if chosen else "", "pick" if chosen else "idle").inc()
+                self.metrics.waiting.labels(self.label(v.id)).set(v.waiting)
+            self.metrics.decisions.labels(self.label(chosen.id) if chosen else "", "pick" if chosen else "idle").inc()
         if chosen is None:
             log.debug("scheduler: idle (%s)", skipped)
             return Decision(None, reason, skipped)
@@ -147,9 +149,9 @@ class Scheduler:
             self._share[v.id] = v.share
         if self.metrics is not None:
             for v in views:
-                self.metrics.waiting.labels(v.id).set(v.waiting)
+                self.metrics.waiting.labels(self.label(v.id)).set(v.waiting)
             for v in chosen:
-                self.metrics.decisions.labels(v.id, "pick").inc()
+                self.metrics.decisions.labels(self.label(v.id), "pick").inc()
             if not chosen:
                 self.metrics.decisions.labels("", "idle").inc()
         if chosen:
@@ -171,4 +173,4 @@ class Scheduler:
         prev = self.step_seconds.get(tenant)
         self.step_seconds[tenant] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
         if self.metrics is not None:
-            self.metrics.step_seconds.labels(tenant).observe(seconds)
+            self.metrics.step_seconds.labels(self.label(tenant)).observe(seconds)

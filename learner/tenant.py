@@ -1,9 +1,10 @@
 """The learner loop's record of one tenant: `LearnerTenant`.
 
 What the loop keeps about a registered tenant between ticks, in one object: whether it needs
-a checkpoint, its failure back-off, where its batch was last checked for a reward spread, and
-the publish gate's cache of its live version's held-out losses. The parts are defined where
-they are used (`backoff.Backoff`, `sampling.BatchSeen`, `gate.LiveLosses`).
+a checkpoint, its failure back-off, where its batch was last checked for a reward spread (and
+held, when it was one group that may still grow), and the publish gate's cache of its live
+version's held-out losses. The parts are defined where they are used (`backoff.Backoff`,
+`sampling.BatchSeen`, `gate.LiveLosses`).
 
 The tenant's training state itself (weights, moments, step, cursor, the version its weights
 descend from) is its `AdapterState`, in the adapter store and its checkpoint. This record is
@@ -32,6 +33,9 @@ class LearnerTenant:
     """Set while its last step failed: it is not offered to the scheduler before `retry_at`."""
     flat_checked: BatchSeen | None = None
     """Where its batch was last checked for a reward spread (on-policy RL only)."""
+    flat_held: BatchSeen | None = None
+    """Where its batch was one group without a reward spread that may still grow
+    (`Sampler.flat_cut`): it is not offered to the scheduler while its batch stays there."""
     live_losses: LiveLosses | None = None
     """The publish gate's cache: its live version's loss on each held-out example scored so far."""
 

@@ -146,11 +146,12 @@ def test_an_rl_batch_without_a_reward_spread_is_consumed_without_a_step(world, t
     assert lr.tick() is None
     st = lr.store.state("rl")
     weights = st.master.clone()
-    assert (st.step, st.cursor) == (0, 8) and lr.tick() is None        # consumed: not offered again
+    # g0 consumed; g1, the newest group, waits in case more of it comes: not offered again either
+    assert (st.step, st.cursor) == (0, 4) and lr.tick() is None
     assert lr.metrics.registry.get_sample_value("clora_learner_flat_batches_total", {"tenant": "rl"}) == 1
-    for i in range(8, 12):                         # a group with a spread trains
+    for i in range(8, 12):                         # a group with a spread trains (with g1)
         buf.add(rl("rl", i, "q2?", "ab"[i % 2], float(i % 2), "g2"))
-    assert lr.tick() == "rl" and lr.store.state("rl").step == 1
+    assert lr.tick() == "rl" and lr.store.state("rl").step == 1 and lr.store.state("rl").cursor == 12
     assert not torch.equal(lr.store.state("rl").master, weights)
 
 
@@ -172,6 +173,47 @@ def test_a_flat_rl_batch_is_consumed_without_waiting_behind_another_tenants_step
     assert m.get_sample_value("clora_learner_flat_batches_total", {"tenant": "z-flat"}) == 1
     assert m.get_sample_value("clora_learner_steps_total", {"tenant": "z-flat", "algorithm": "rl"}) is None
     assert lr.tick() is None                       # nothing left for either
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["rest arrives after the first draw", "rest past the cut"])
+def test_a_group_whose_rest_is_not_in_a_flat_batch_still_trains_on_its_spread(world, tiny_model_dir, late):
+    """A step's two groups of 4: g0 all right, g1 with one wrong answer, its last. The learner
+    sees g0 and g1's first two (all right: flat) before the rest of g1 is stored (batch size 8),
+    or behind a batch size of 6. Consumed whole, g1's last two (fewer than `min_new_examples`)
+    would wait for the next step's rollouts while those wait for a version from this step."""
+    settings, reg, buf = world
+    reg.tenants["rl"] = Tenant(id="rl", policy=LearningPolicy(algorithm="rl", learning_rate=1e-2,
+                                                               batch_size=8 if late else 6, min_new_examples=4))
+    reg.tenants["acme"].policy.paused = reg.tenants["beta"].policy.paused = True
+    step = [rl("rl", i, f"q{i // 4}?", "ab"[i == 7], float(i != 7), f"g{i // 4}") for i in range(8)]
+    for e in step[:6] if late else step:
+        buf.add(e)
+    lr = _learner(world, tiny_model_dir, [])
+    if late:
+        assert lr.tick() is None and lr.store.state("rl").cursor == 4     # g0 consumed, g1 waits for the rest
+        for e in step[6:]:
+            buf.add(e)
+    assert lr.tick() == "rl"
+    st = lr.store.state("rl")
+    assert (st.step, st.cursor) == (1, 8) and reg.live_version("rl") == 1
+    assert [p["examples"] for p in reg.history["rl"] if "loss" in p] == [4]    # g1, whole
+
+
+def test_a_tenant_holding_a_flat_group_that_may_grow_is_not_offered_to_the_scheduler(world, tiny_model_dir):
+    """`a-flat`'s batch is one flat group, short of a batch: nothing to consume, nothing to train.
+    Offered to the scheduler, it would win every pick (its virtual time never grows) and acme
+    would never train."""
+    _, reg, buf = world
+    reg.tenants["beta"].policy.paused = True
+    reg.tenants["a-flat"] = Tenant(id="a-flat", policy=LearningPolicy(algorithm="rl", learning_rate=1e-2,
+                                                                       batch_size=8, min_new_examples=4))
+    for i in range(4):
+        buf.add(rl("a-flat", i, "q?", "a", 1.0, "g"))
+    lr = _learner(world, tiny_model_dir, [])
+    assert [lr.tick() for _ in range(3)] == ["acme"] * 3
+    assert lr.store.state("a-flat").cursor == 0    # held, not consumed: the rest of g may still come
+    buf.add(rl("a-flat", 4, "q2?", "a", 1.0, "g2"))
+    assert lr.tick() is None and lr.store.state("a-flat").cursor == 4   # g is followed by g2: it was whole
 
 
 def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(world, tiny_model_dir):

@@ -49,7 +49,6 @@ def test_a_restart_keeps_the_queue_and_a_lost_gradient_fails_the_step_with_nothi
     assert fb.metrics["loss:sum"] > 0
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the learner's planned death
 def test_a_step_checkpointed_but_not_answered_before_a_crash_is_answered_not_repeated(service, monkeypatch):
     client = tinker.ServiceClient(base_url=service.url, api_key=service.keys["acme"])
     training = client.create_lora_training_client(base_model="tiny", rank=RANK).result()

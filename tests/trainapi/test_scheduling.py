@@ -56,3 +56,21 @@ def test_a_run_is_scheduled_as_its_tenant_is_and_interleaves_with_continuous_tra
     assert "beta" in picks[4:] or queue.waiting(service.redis, [key])[key] == 0, picks
     service.start_learner(learner)
     assert all(f.result().metrics["loss:sum"] > 0 for f in futures)
+
+
+def test_runs_share_one_metric_label_per_tenant():
+    from prometheus_client import CollectorRegistry
+
+    from clora.learner.external import metric_label
+    from clora.learner.metrics import LearnerMetrics
+    from clora.learner.scheduler import Scheduler, TenantView
+
+    assert metric_label("acme") == "acme" and metric_label("acme/tinker/s1:train:0") == "acme/tinker"
+    metrics = LearnerMetrics(CollectorRegistry())
+    scheduler = Scheduler(metrics=metrics, label=metric_label)
+    views = [TenantView(f"acme/tinker/s{i}:train:0", False, 1.0, 0, 1, 1) for i in range(5)]
+    for _ in range(5):
+        picked = scheduler.pick(views).tenant
+        scheduler.record(picked, 0.1)
+    labels = {s.labels.get("tenant") for m in metrics.step_seconds.collect() for s in m.samples}
+    assert labels == {"acme/tinker"}
