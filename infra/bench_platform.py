@@ -16,11 +16,14 @@ the learner and the engine (`core_split`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +77,18 @@ class PlatformLauncher:
     """The base model's settings, once `prepare_model` ran."""
     user_env: dict[str, str] = field(default_factory=lambda: {k: os.environ[k] for k in CORE_SPLIT if k in os.environ})
     """The CPU split the environment set before the benchmark started (it wins over `core_split`)."""
+
+    @contextlib.contextmanager
+    def data_kept_on_failure(self, keep: bool, console) -> Iterator[None]:
+        """Run the benchmark's platforms: `root` is deleted when the body succeeds (unless
+        `keep`), and kept, saying where, when it fails."""
+        try:
+            yield
+        except BaseException:
+            console.print(f"[red]failed[/]: platform logs kept under {self.root}")
+            raise
+        if not keep:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def prepare_model(self) -> dict[str, str]:
         """The base model for every platform: a local HF dir as is, `smollm2` converted once

@@ -46,7 +46,6 @@ JSON (`--out`) and a reward-vs-step plot (.png).
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -544,17 +543,10 @@ class Bench:
                            f"{c.prompts_per_step} prompts × group {c.group_size}, {c.algorithm}, model {c.model}, "
                            f"{c.training_mode} learner" + (f", tenants from {c.init_adapter}" if c.init_adapter else "")
                            + f"; data under {self.root}")
-        ok = False
-        try:
+        with self.launcher.data_kept_on_failure(c.keep, self.console):
             self.launcher.prepare_model()
             sequential = self.sequential(max(c.ns))
             startup, base_held_out, concurrent = self.concurrent(sorted(set(c.ns)))
-            ok = True
-        finally:
-            if ok and not c.keep:
-                shutil.rmtree(self.root, ignore_errors=True)
-            elif not ok:
-                self.console.print(f"[red]failed[/]: platform logs kept under {self.root}")
         report = build_report(c, sequential, concurrent, startup, base_held_out)
         self.console.print(table(report))
         self._verdict(report)

@@ -33,7 +33,6 @@ bench-results/freshness.json) with every event.
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -227,8 +226,7 @@ class FreshnessBench:
         self.console.print(f"[bold]clora bench freshness[/]: {c.tenants} tenants, {c.minutes:g} min of "
                            f"{c.requests_per_s:g} completions/s and {c.feedback_per_s:g} corrections/s each, model "
                            f"{c.model}; data under {self.root}")
-        ok = False
-        try:
+        with self.launcher.data_kept_on_failure(c.keep, self.console):
             self.launcher.prepare_model()
             platform, stack = self.launcher.start("freshness", concurrent=True)
             try:
@@ -241,12 +239,6 @@ class FreshnessBench:
                 report = self._report(registry, admin, streams)
             finally:
                 platform.stop()
-            ok = True
-        finally:
-            if ok and not c.keep:
-                shutil.rmtree(self.root, ignore_errors=True)
-            elif not ok:
-                self.console.print(f"[red]failed[/]: platform logs kept under {self.root}")
         self.console.print(table(report))
         self._verdict(report)
         out = Path(c.out)

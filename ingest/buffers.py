@@ -43,7 +43,7 @@ import redis
 from pydantic import TypeAdapter
 
 from clora.ingest.schemas import EXAMPLE_KINDS, Example, InteractionEvent
-from clora.ingest.signals import DIVERSITY_WINDOW, ReplyTraits, ServedSignals
+from clora.ingest.signals import DIVERSITY_WINDOW, ReplyTraits, ServedSignals, sample_variance
 
 Kind = Literal["sft", "preference", "rl"]
 _EXAMPLE = TypeAdapter(Example)
@@ -354,9 +354,7 @@ class RewardTally:
     @property
     def variance(self) -> float:
         """Sample variance (n - 1 in the denominator); 0 for a single sample."""
-        if self.n < 2:
-            return 0.0
-        return max(0.0, (self.squares - self.total * self.total / self.n) / (self.n - 1))
+        return sample_variance(self.n, self.total, self.squares)
 
 
 def _version_field(version: int | None) -> str:

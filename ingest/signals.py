@@ -29,6 +29,14 @@ DIVERSITY_WINDOW = 64
 _SPACE = re.compile(r"\s+")
 
 
+def sample_variance(n: int, total: float, squares: float) -> float:
+    """The sample variance (n - 1 in the denominator) of n values from their sum and sum of
+    squares; 0 for fewer than two. Example: 1, 2, 3 -> (14 - 36 / 3) / 2 = 1.0."""
+    if n < 2:
+        return 0.0
+    return max(0.0, (squares - total * total / n) / (n - 1))
+
+
 @dataclass(frozen=True)
 class ReplyTraits:
     """One served reply. Example: v3 answered "  OK " -> `ReplyTraits(version=3, empty=False,
@@ -99,9 +107,7 @@ class ServedSignals:
     @property
     def length_variance(self) -> float:
         """Sample variance of the reply length (0 for a single reply)."""
-        if self.n < 2:
-            return 0.0
-        return max(0.0, (self.chars_sq - self.chars * self.chars / self.n) / (self.n - 1))
+        return sample_variance(self.n, self.chars, self.chars_sq)
 
     @property
     def diversity(self) -> float:

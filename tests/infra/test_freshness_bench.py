@@ -66,3 +66,25 @@ def test_the_report_reads_each_served_versions_events_from_the_registry(registry
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in console.export_text().splitlines()]
     rows = {c[0]: c for c in cells if c and c[0] in (tenant_id, "all")}
     assert rows[tenant_id][2] == rows["all"][2] == "1 (1)"                    # measured (unserved)
+
+
+def test_a_benchmarks_data_folder_goes_when_it_succeeds_and_stays_when_it_fails(tmp_path):
+    from clora.infra.bench_platform import PlatformLauncher
+
+    def launcher(name: str) -> PlatformLauncher:
+        root = tmp_path / name
+        (root / "run-0").mkdir(parents=True)
+        return PlatformLauncher(model="smollm2", models_dir=".clora/models", slots=1, training_mode="serial",
+                                root=root)
+
+    console = Console(record=True, width=200)
+    ok, kept, failed = launcher("ok"), launcher("kept"), launcher("failed")
+    with ok.data_kept_on_failure(keep=False, console=console):
+        pass
+    with kept.data_kept_on_failure(keep=True, console=console):
+        pass
+    with pytest.raises(RuntimeError, match="engine died"):
+        with failed.data_kept_on_failure(keep=False, console=console):
+            raise RuntimeError("engine died")
+    assert not ok.root.exists() and (kept.root / "run-0").exists() and (failed.root / "run-0").exists()
+    assert console.export_text().strip() == f"failed: platform logs kept under {failed.root}"
