@@ -11,6 +11,7 @@ This package is the ground every part stands on; it imports nothing else of clor
 | `ids`      | tenant ids, event ids, the served name `tenant@vN` |
 | `procs`    | process helpers: open ports, free ports, health URLs, children that die with their parent |
 | `web`      | the HTTP front door the webhook, gateway and control API share: keys, body limits, the error envelope |
+| `storage`  | where adapter versions live: the local folder or an S3-compatible store, checksummed, fetched into a verified cache |
 
 The parts install beside it as `clora.<folder>` (pyproject's `package-dir`): `ingest`,
 `serving`, `learner`, `kernels`, `agents`, and `infra`, the top that composes them. The

@@ -35,7 +35,7 @@ from rich.console import Console
 from clora.infra.control import load_admin_token
 from clora.infra.settings import BrokerSettings, ConsoleSettings, SupervisorSettings
 from clora.ingest.settings import IngestSettings, WebhookSettings
-from clora.settings import PlatformSettings
+from clora.settings import PlatformSettings, redacted_url
 from clora.serving.settings import EngineSettings, GatewaySettings
 from clora.trainapi.settings import TrainApiSettings
 from clora.infra.stack import LocalStack
@@ -275,15 +275,15 @@ class Platform:
         wh, ing = WebhookSettings(), IngestSettings()
         console.print("[bold]clora is up[/]")
         console.print(f"  Kafka bootstrap   {self.stack.kafka_bootstrap}")
-        console.print(f"  Redis             {self.stack.redis_url}")
+        console.print(f"  Redis             {redacted_url(self.stack.redis_url)}")
         console.print(f"  feedback webhook  http://{wh.host}:{wh.port}/v1/feedback  (OpenAPI: /docs)")
         if ing.metrics_port:
-            console.print(f"  ingest metrics    http://127.0.0.1:{ing.metrics_port}/metrics")
+            console.print(f"  ingest metrics    http://{ing.metrics_host}:{ing.metrics_port}/metrics")
         if "serving" in self.services:
             gw = GatewaySettings()
             console.print(f"  OpenAI API        http://{gw.host}:{gw.port}/v1   (model: your tenant id; key: its API key)")
             if gw.metrics_port:
-                console.print(f"  serving metrics   http://127.0.0.1:{gw.metrics_port}/metrics")
+                console.print(f"  serving metrics   http://{gw.metrics_host}:{gw.metrics_port}/metrics")
         if "trainapi" in self.services:
             console.print(f"  Tinker API        {self.urls()['trainapi']}   (TINKER_BASE_URL; key: clora tinker-key "
                           "create --tenant <id>)")

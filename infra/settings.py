@@ -49,6 +49,8 @@ class ConsoleSettings(BaseSettings):
     model_config = settings_config("CLORA_CONSOLE_")
 
     host: str = "127.0.0.1"
+    """`CLORA_CONSOLE_HOST`: the address the control API and console bind (`0.0.0.0` in a
+    container); `GET /console/` answers without a token, as a health check."""
     port: int = Field(default=8500, ge=1, le=65535)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clora.infra.settings import BrokerSettings, RedisSettings, SupervisorSettings
-from clora.settings import PlatformSettings
+from clora.settings import KafkaSettings, PlatformSettings, redacted_url
 from clora.infra.supervisor import ManagedProcess, SupervisorEvent
 from clora.ingest.producer import ensure_topics
 from clora.procs import port_open
@@ -153,6 +153,9 @@ class LocalStack:
         logs = self.platform.logs_dir
         try:
             if self.platform.kafka_bootstrap is None:
+                if (protocol := KafkaSettings().security_protocol) != "PLAINTEXT":
+                    raise ValueError(f"CLORA_KAFKA_SECURITY_PROTOCOL={protocol} needs an external Kafka "
+                                     "(CLORA_KAFKA_BOOTSTRAP): the embedded broker speaks PLAINTEXT only")
                 self.processes["broker"] = self._supervised(broker_process(self.broker, logs, self.supervision))
             else:
                 log.info("using external Kafka at %s", self.platform.kafka_bootstrap)
@@ -160,7 +163,7 @@ class LocalStack:
                 self.processes["redis"] = self._supervised(
                     redis_process(self.redis, self.platform.data_dir, logs, self.supervision))
             else:
-                log.info("using external Redis at %s", self.platform.redis_url)
+                log.info("using external Redis at %s", redacted_url(self.platform.redis_url))
         except Exception:
             self.stop()
             raise

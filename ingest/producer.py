@@ -1,5 +1,7 @@
 """Kafka producing for clora: topic creation and an acks=all producer whose writes can be
-awaited from asyncio (the webhook answers 202 only after the broker acknowledged).
+awaited from asyncio (the webhook answers 202 only after the broker acknowledged). Both connect
+with the platform's Kafka client settings (`clora.settings.KafkaSettings`: TLS, SASL) and create
+topics with its replication factor and `min.insync.replicas`.
 
     producer = EventProducer(bootstrap)
     await producer.send_many_and_wait(TOPIC_FEEDBACK, [(tenant, event.model_dump_json())])
@@ -16,6 +18,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
 
+from clora.settings import KafkaSettings, kafka_client_kwargs
 from clora.ingest.schemas import ALL_TOPICS
 
 log = logging.getLogger(__name__)
@@ -25,12 +28,18 @@ class BrokerUnavailable(RuntimeError):
     """The broker did not acknowledge a write in time: the event was NOT stored."""
 
 
-def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL_TOPICS) -> None:
-    """Create clora's topics if missing (idempotent)."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+def ensure_topics(bootstrap: str, partitions: int, topics: tuple[str, ...] = ALL_TOPICS,
+                  kafka: KafkaSettings | None = None) -> None:
+    """Create clora's topics if missing (idempotent), each with `kafka.replication_factor`
+    replicas and `min.insync.replicas` of `kafka.min_insync_replicas` (None: the settings from
+    the environment). Topics that exist already are left as they are."""
+    kafka = kafka or KafkaSettings()
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000, **kafka_client_kwargs(kafka))
     try:
         existing = set(admin.list_topics())
-        missing = [NewTopic(t, partitions, 1) for t in topics if t not in existing]
+        config = {"min.insync.replicas": str(kafka.min_insync_replicas)}
+        missing = [NewTopic(t, partitions, kafka.replication_factor, topic_configs=config)
+                   for t in topics if t not in existing]
         if missing:
             try:
                 admin.create_topics(missing)
@@ -55,6 +64,7 @@ class EventProducer:
             request_timeout_ms=max(1000, int(timeout_s * 1000)),
             max_in_flight_requests_per_connection=5,
             batch_size=256 * 1024,
+            **kafka_client_kwargs(),
         )
         self._known_topics: set[str] = set()
 

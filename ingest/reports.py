@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import redis
 from kafka import KafkaConsumer, TopicPartition
 
+from clora.settings import kafka_client_kwargs
 from clora.ingest.schemas import TOPIC_FEEDBACK, TOPIC_INTERACTIONS, DeadLetter
 
 _LAG_KEY = "clora:ingest:lag"
@@ -50,6 +51,7 @@ class LagProbe:
         self.bootstrap, self.group, self.topics, self.timeout_ms = bootstrap, group, topics, timeout_ms
         self.committed: dict[str, int] = {}
         """The group's committed offsets as of the last `measure`."""
+        self._kafka = kafka_client_kwargs()
 
     def measure(self) -> dict[str, int]:
         """Lag per "topic:partition". Raises kafka's errors (KafkaTimeoutError when the broker
@@ -58,7 +60,8 @@ class LagProbe:
 
         c = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group, enable_auto_commit=False,
                           request_timeout_ms=self.timeout_ms, fetch_max_wait_ms=100,
-                          max_partition_fetch_bytes=64 * 1024, client_id=f"clora-lag-{self.group}")
+                          max_partition_fetch_bytes=64 * 1024, client_id=f"clora-lag-{self.group}",
+                          **self._kafka)
         try:
             parts = [TopicPartition(t, p) for t in self.topics for p in sorted(c.partitions_for_topic(t) or ())]
             if not parts:

@@ -16,6 +16,8 @@ class WebhookSettings(BaseSettings):
     model_config = settings_config("CLORA_WEBHOOK_")
 
     host: str = "127.0.0.1"
+    """`CLORA_WEBHOOK_HOST`: the address it binds (`0.0.0.0` in a container); its health check,
+    `GET /healthz`, answers on the same port."""
     port: int = Field(default=8400, ge=1, le=65535)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     """Requests with a larger body answer 413."""
@@ -70,6 +72,9 @@ class IngestSettings(BaseSettings):
     """Event ids remembered per tenant for de-duplication (oldest forgotten first)."""
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     """Prometheus endpoint of the first worker (0: none)."""
+    metrics_host: str = "127.0.0.1"
+    """`CLORA_INGEST_METRICS_HOST`: the address the Prometheus endpoint binds (`0.0.0.0` for a
+    scraper outside the container or host; the metrics name tenants, so keep it off public networks)."""
     request_timeout_ms: int = Field(default=15_000, ge=1000)
     """Longest wait for any one broker request (group join, commit, metadata); kafka-python's own
     default is 30 s. Must exceed `session_timeout_ms`."""

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from pydantic_core import to_json
 
 from clora.procs import Heartbeat
+from clora.settings import kafka_client_kwargs
 from clora.registry import LearningPolicy, Registry, RegistryError
 from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
@@ -120,7 +121,7 @@ class IngestWorker:
             enable_auto_commit=False, auto_offset_reset="earliest",
             max_poll_records=s.max_poll_records, max_poll_interval_ms=s.max_poll_interval_ms,
             session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=max(500, s.session_timeout_ms // 3),
-            request_timeout_ms=s.request_timeout_ms,
+            request_timeout_ms=s.request_timeout_ms, **kafka_client_kwargs(),
         )
 
     def run(self, stop: threading.Event) -> None:
@@ -346,7 +347,7 @@ def main(settings: IngestSettings, kafka_bootstrap: str, redis_url: str, client_
         from prometheus_client import start_http_server
 
         try:
-            start_http_server(settings.metrics_port, addr="127.0.0.1")
+            start_http_server(settings.metrics_port, addr=settings.metrics_host)
         except OSError as e:
             log.warning("metrics port %s busy (%s); this worker exports no metrics", settings.metrics_port, e)
     heartbeat = Heartbeat.from_env()

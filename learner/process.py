@@ -32,6 +32,7 @@ import torch
 from clora.freshness import VersionLineage
 from clora.ingest.schemas import AdapterEvent
 from clora.procs import Heartbeat
+from clora.storage import AdapterStorage, StorageSettings, open_storage
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
 from clora.learner.batches import ChatEncoder
@@ -61,7 +62,7 @@ MIXED_POLICY_FIELDS = {"unpaired", "kto_beta", "kto_desirable_weight", "kto_unde
 class Learner:
     def __init__(self, settings: LearnerSettings, model, tokenizer, *, registry, buffer: BufferLike,
                  announce: Callable[[AdapterEvent], None], base_model_name: str,
-                 metrics: LearnerMetrics | None = None, device: str = "cpu"):
+                 metrics: LearnerMetrics | None = None, device: str = "cpu", storage: AdapterStorage | None = None):
         self.s = settings
         self.registry = registry
         self.buffer = buffer
@@ -77,7 +78,8 @@ class Learner:
                                    max_chunk_tokens=settings.fused_max_chunk_tokens,
                                    max_padding=settings.fused_max_padding)
                       if settings.training_mode == "fused" else None)
-        self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout)
+        self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout,
+                                   storage=storage)
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics, label=metric_label)
         self.tenants: defaultdict[str, LearnerTenant] = defaultdict(LearnerTenant)
         """The loop's record of each tenant, by id (created on first use)."""
@@ -329,7 +331,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
     if settings.metrics_port:
         from prometheus_client import REGISTRY, start_http_server
 
-        start_http_server(settings.metrics_port, addr="127.0.0.1")
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
         metrics = LearnerMetrics(REGISTRY)
     else:
         metrics = LearnerMetrics()
@@ -342,7 +344,8 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
         producer.send_sync(TOPIC_ADAPTERS, event.tenant, event.model_dump_json())
 
     learner = Learner(settings, model, tok, registry=Registry(client), buffer=ReplayBuffer(client), announce=announce,
-                      base_model_name=base_model_name(settings.base_model, path), metrics=metrics, device=device)
+                      base_model_name=base_model_name(settings.base_model, path), metrics=metrics, device=device,
+                      storage=open_storage(StorageSettings(), settings.adapters_dir))   # with S3: adapters_dir caches
     if external is not None:
         learner.external = external(learner, client)
     learner.run_forever(stop)

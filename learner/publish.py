@@ -4,13 +4,19 @@ Owns `Publisher` (publish, import, roll back, prune, read weights back) and `Pub
 Layout: `<adapters_dir>/<tenant>/v<N>/` holds `adapter_config.json`,
 `adapter_model.safetensors` and `clora_metadata.json` (base model, step, examples seen, eval
 scores, parent version). A version is written under `.tmp-v<N>-<random>` in the same folder,
-fsynced, then renamed to `v<N>`: a reader (vLLM, a restarted learner) sees a complete
-version or none. A version folder is never overwritten; version numbers only grow (the next
-one is above every number in the registry AND on disk, so an orphan left by a crash between
-rename and registry write is skipped, not reused). After the rename the version's lineage (the
+fsynced, then handed to the adapter storage (`clora.storage`): the local folder (the default)
+renames it to `v<N>`, so a reader (vLLM, a restarted learner) sees a complete version or none;
+an S3 store uploads its files and then its manifest of checksums, and only then renames it
+into `adapters_dir` (the learner's cache). The registry records the version's URI
+(`AdapterVersion.path`: the folder's path, or `s3://bucket/prefix/<tenant>/v<N>`). A version is
+never overwritten; version numbers only grow (the next one is above every number in the
+registry, on disk AND in the store, so an orphan left by a crash between upload or rename and
+registry write, or a torn upload, is skipped, not reused). Then the version's lineage (the
 feedback events first trained in it, `clora.freshness`) is stored, then the version is recorded
 in the registry, made live, and an `AdapterEvent` is announced through the injected
-`announce` callable (a Kafka producer in the learner process, a list in tests).
+`announce` callable (a Kafka producer in the learner process, a list in tests). Reading a
+version back (`weights`, `rollback`'s check) fetches it through the storage (with S3: into the
+local cache, every checksum verified).
 
 `import_adapter` publishes an existing PEFT LoRA folder (a tenant's `init_adapter`) the same
 way, as a version with step 0 and `imported_from` set, after checking it fits the layout.
@@ -27,8 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -39,14 +43,14 @@ import torch
 
 from clora.freshness import VersionLineage
 from clora.registry import AdapterVersion
+from clora.storage import AdapterStorage, LocalStorage, StorageIntegrityError, local_versions
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.lora import LoraLayout
-from clora.learner.peft_io import fsync_path, read_adapter, write_adapter
+from clora.learner.peft_io import AdapterFormatError, fsync_path, read_adapter, write_adapter
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "clora_metadata.json"
-_VERSION_DIR = re.compile(r"v([0-9]+)")
 
 
 class PublishError(RuntimeError):
@@ -73,8 +77,10 @@ class PublishedWeights:
 
 class Publisher:
     def __init__(self, adapters_dir: Path | str, registry: RegistryLike, announce: Callable[[AdapterEvent], None],
-                 base_model: str, layout: LoraLayout):
-        self.root = Path(adapters_dir)
+                 base_model: str, layout: LoraLayout, *, storage: AdapterStorage | None = None):
+        self.storage = storage if storage is not None else LocalStorage(adapters_dir)
+        """Where versions are stored; its local folder (`root`) is `adapters_dir`."""
+        self.root = self.storage.root
         self.registry = registry
         self.announce = announce
         self.base_model = base_model
@@ -84,13 +90,11 @@ class Publisher:
         return self.root / tenant
 
     def versions_on_disk(self, tenant: str) -> list[int]:
-        d = self.tenant_dir(tenant)
-        if not d.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in d.iterdir() if (m := _VERSION_DIR.fullmatch(p.name)))
+        return local_versions(self.tenant_dir(tenant))
 
     def next_version(self, tenant: str) -> int:
-        known = self.versions_on_disk(tenant) + [v.version for v in self.registry.adapter_versions(tenant)]
+        known = (self.versions_on_disk(tenant) + self.storage.versions(tenant)
+                 + [v.version for v in self.registry.adapter_versions(tenant)])
         return max(known, default=0) + 1
 
     def clean_partial(self, tenant: str) -> list[Path]:
@@ -106,9 +110,9 @@ class Publisher:
         `keep` newest ancestors (where the reward guard rolls back to), the newest `keep` a Tinker
         run saved without a name (`save_weights_and_get_sampling_client`, one per RL step), and
         every one a Tinker run saved by name (its `tinker://` path stays valid): their registry
-        records first, so nothing resolves them from then on, then their folders (and folders a
-        crash left between the two). A replica that has one loaded keeps serving it until it
-        unloads it. Returns the versions deleted."""
+        records first, so nothing resolves them from then on, then their stored copies and
+        folders (and those a crash left between the two). A replica that has one loaded keeps
+        serving it until it unloads it. Returns the versions deleted."""
         if keep < 1:
             return []
         versions = {v.version: v for v in self.registry.adapter_versions(tenant)}
@@ -125,8 +129,12 @@ class Publisher:
         gone = sorted(set(versions) - kept)
         self.registry.delete_adapter_versions(tenant, gone)
         oldest_kept = min(kept, default=0)
+
+        def doomed(n: int) -> bool:
+            return n not in kept and (n in gone or n < oldest_kept)
+        self.storage.delete(tenant, [n for n in self.storage.versions(tenant) if doomed(n)])
         for n in self.versions_on_disk(tenant):
-            if n not in kept and (n in gone or n < oldest_kept):
+            if doomed(n):
                 shutil.rmtree(self.tenant_dir(tenant) / f"v{n}", ignore_errors=True)
         return gone
 
@@ -145,8 +153,8 @@ class Publisher:
         version = self.next_version(tenant)
         d = self.tenant_dir(tenant)
         d.mkdir(parents=True, exist_ok=True)
-        final, tmp = d / f"v{version}", d / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
-        meta = AdapterVersion(version=version, path=str(final.resolve()), base_model=self.base_model,
+        uri, tmp = self.storage.uri(tenant, version), d / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
+        meta = AdapterVersion(version=version, path=uri, base_model=self.base_model,
                               parent_version=parent_version, step=step, examples_seen=examples_seen,
                               eval_scores=eval_scores, feedback_window=feedback_window,
                               imported_from=imported_from, source=source, tinker_path=tinker_path)
@@ -156,13 +164,10 @@ class Publisher:
             (tmp / METADATA_FILE).write_text(meta.model_dump_json(indent=2))
             fsync_path(tmp / METADATA_FILE)
             fsync_path(tmp)
-            if final.exists():
-                raise PublishError(f"version folder {final} already exists; versions are never overwritten")
-            os.rename(tmp, final)
-            fsync_path(d)
+            self.storage.publish(tenant, version, tmp)   # local: renamed to v<N>; S3: uploaded, then renamed
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise PublishError(f"publishing {tenant} v{version} to {final} failed") from e
+            raise PublishError(f"publishing {tenant} v{version} to {uri} failed") from e
         if lineage is not None and lineage.events:
             self.registry.record_lineage(tenant, version, lineage)
         self.registry.record_adapter_version(tenant, meta)
@@ -205,7 +210,7 @@ class Publisher:
         if to_version not in versions:
             raise PublishError(f"{tenant} has no recorded version v{to_version} (known: {sorted(versions)})")
         target = versions[to_version]
-        read_adapter(Path(target.path), self.layout)  # refuse to make a missing/broken folder live
+        self._read(target.path)  # refuse to make a missing/broken version live
         self.registry.set_live_version(tenant, to_version)
         self._announce(AdapterEvent(tenant=tenant, action="rolled_back", version=to_version, path=target.path,
                                     base_model=self.base_model, parent_version=target.parent_version,
@@ -221,7 +226,17 @@ class Publisher:
 
     def weights(self, tenant: str, version: int) -> torch.Tensor:
         """The flat weights (P,) of a published version (`AdapterFormatError` when unreadable)."""
-        return read_adapter(self.tenant_dir(tenant) / f"v{version}", self.layout)
+        return self._read(self.storage.uri(tenant, version))
+
+    def _read(self, uri: str) -> torch.Tensor:
+        """The flat weights (P,) of the version stored at `uri`, fetched and verified first:
+        `AdapterFormatError` when it is missing, torn or corrupt, `StorageError` when the store
+        cannot be reached."""
+        try:
+            folder = self.storage.fetch(uri)
+        except StorageIntegrityError as e:
+            raise AdapterFormatError(f"fetching the adapter at {uri} failed: {e}") from e
+        return read_adapter(folder, self.layout)
 
 
 def read_metadata(folder: Path) -> AdapterVersion:

@@ -20,7 +20,9 @@ class LearnerSettings(BaseSettings):
     models_dir: Path = Path(".clora/models")
     """Cache for converted base models."""
     adapters_dir: Path = Path(".clora/adapters")
-    """Published versions: `<adapters_dir>/<tenant>/v<N>/` (vLLM must be able to read it)."""
+    """Published versions: `<adapters_dir>/<tenant>/v<N>/` (vLLM must be able to read it). With an
+    S3 store (`CLORA_STORAGE_BACKEND=s3`, `clora.storage`) this is the learner's local cache of
+    the versions, which live in the store."""
     checkpoints_dir: Path = Path(".clora/learner/checkpoints")
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:1`, ..."""
@@ -90,6 +92,9 @@ class LearnerSettings(BaseSettings):
     max_wait_s: float = Field(default=600.0, gt=0)
     metrics_port: int = Field(default=9402, ge=0, le=65535)
     """Prometheus endpoint (0: none)."""
+    metrics_host: str = "127.0.0.1"
+    """`CLORA_LEARNER_METRICS_HOST`: the address the Prometheus endpoint binds (`0.0.0.0` for a
+    scraper outside the container or host; the metrics name tenants, so keep it off public networks)."""
 
     @model_validator(mode="after")
     def _dtype_on_cpu(self) -> "LearnerSettings":

@@ -14,8 +14,10 @@ live LoRA adapter version.
 | `engine`        | the replicas behind the gateway: routing, on-demand loading, eviction, restarts |
 | `replica`       | one vLLM server process and the HTTP calls made to it |
 | `residency`     | registered vs resident adapters of one replica (LRU, pins) |
-| `quota`         | per-tenant concurrency (requests, sequences) and rate limits (429) |
-| `record_quota`  | per-tenant byte quota on recorded messages and tools (429, in Redis) |
+| `quota`         | per-tenant concurrency (requests, sequences, pinned versions) and rate limits (429) |
+| `record_quota`  | per-tenant byte quota on recorded messages and tools (429) |
+| `quota_store`   | where both quotas count: Redis, shared by every gateway, or local; the fallback when Redis fails |
+| `tenant_slots`  | each tenant's requests in flight as leases: in this process, and in Redis with expiry |
 | `interactions`  | sending interaction events to Kafka off the request path, spooling through outages |
 | `spool`         | the fsync'd local spool of records the broker did not take |
 | `traffic`       | per-tenant, per-minute traffic counters for the console |

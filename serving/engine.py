@@ -10,7 +10,11 @@ Owns
 - `preload(ref)` (hot swap: load a new version everywhere before the alias switches) and
   `retire(ref)` (wait until no request pins the old version, then unload it everywhere);
 - the replicas' API key: generated here, given to each replica (`VLLM_API_KEY`, so that no
-  other local process can list, load or unload adapters) and sent on every call by `http`.
+  other local process can list, load or unload adapters) and sent on every call by `http`;
+- with an object store (`storage`, `clora.storage`), the folder vLLM loads: each version is
+  fetched into this host's cache and verified before the load, and vLLM is given the cached
+  folder's path (a vLLM on another host must see that folder at the same path). Without one the
+  registry's path is the folder itself.
 
 One request's engine error (a 500, a dropped connection) is only *reported*
 (`report_error`): the monitor checks that replica's health at once and takes it out only if
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from clora.storage import AdapterStorage, StorageError, StorageIntegrityError
 from clora.serving.aliases import AdapterRef
 from clora.serving.replica import Replica, ReplicaError, cpu_build
 from clora.serving.residency import CapacityError
@@ -68,8 +73,10 @@ class Lease:
 
 class EngineManager:
     def __init__(self, settings: EngineSettings, *, live_refs: Callable[[], list[AdapterRef]] = list,
-                 adapter_wait_s: float = 30.0):
+                 adapter_wait_s: float = 30.0, storage: AdapterStorage | None = None):
         self.settings = settings
+        self.storage = storage
+        """Where versions are fetched from (None: `AdapterRef.path` is a folder vLLM reads as it is)."""
         self.api_key = secrets.token_urlsafe(32)
         """Every replica requires it on `/v1/*` (vLLM's `VLLM_API_KEY`); only the gateway holds it."""
         self.replicas = [Replica(i, p, settings, api_key=self.api_key) for i, p in enumerate(settings.ports)]
@@ -174,6 +181,7 @@ class EngineManager:
         if name in replica.resident:  # fast path: no await between the check and the pin
             replica.resident.pin(name) if pin else replica.resident.touch(name)
             return
+        folder = await self._local_folder(ref)
         deadline = time.monotonic() + self.adapter_wait_s
         while True:
             async with replica.lock:
@@ -196,20 +204,31 @@ class EngineManager:
                                            transient=True) from e
                 else:
                     try:
-                        await replica.load_adapter(self.http, name, ref.path)
+                        await replica.load_adapter(self.http, name, folder)
                     except ReplicaError as e:
                         died = not replica.alive()
                         if died:
                             self.mark_failed(replica, e)
                         raise AdapterLoadError(f"loading {name} (tenant {ref.tenant} v{ref.version}) "
                                                f"from {ref.path} failed", transient=died) from e
-                    replica.resident.add(name, ref.path)
+                    replica.resident.add(name, folder)
                     if pin:
                         replica.resident.pin(name)
                     return
             async with self._changed:  # every slot busy: wait for a request to finish
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+
+    async def _local_folder(self, ref: AdapterRef) -> str:
+        """The folder vLLM loads `ref` from: with `storage`, fetched into this host's cache and
+        verified (outside any replica's lock: a download must not hold up other loads)."""
+        if self.storage is None:
+            return ref.path
+        try:
+            return str(await asyncio.to_thread(self.storage.fetch, ref.path))
+        except StorageError as e:   # a torn or corrupt version will not mend; an unreachable store may
+            raise AdapterLoadError(f"fetching {ref.name} (tenant {ref.tenant} v{ref.version}) from {ref.path} "
+                                   f"failed: {e}", transient=not isinstance(e, StorageIntegrityError)) from e
 
     # --- hot swap -----------------------------------------------------------------------
 

@@ -28,7 +28,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,7 @@ from clora.serving.hotswap import HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import UNAUTHENTICATED, GatewayMetrics
 from clora.serving.quota import TenantQuota
+from clora.serving.quota_store import QuotaStore
 from clora.serving.record_quota import RecordQuota
 from clora.serving.request_fields import Bounds, Refused, check_fields
 from clora.serving.settings import GatewaySettings, tenant_limits
@@ -75,7 +75,7 @@ class TenantHolds:
     quota_slots: int
     sequences: int
     version_holds: int
-    """Requests in flight to versions other than the live one (`Gateway._hold_version`)."""
+    """Requests in flight to versions other than the live one (`TenantQuota.pinned_in_flight`)."""
     pins: int
     """Adapter pins on the replicas (one per request to one of the tenant's versions)."""
 
@@ -106,12 +106,13 @@ class Gateway:
     swapper: HotSwapper
     logger: InteractionLogger
     quota: TenantQuota | None = None
-    """Built from `tenant_limits` when not given."""
+    """Built from `tenant_limits` on `quota_store` when not given."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     record_quota: RecordQuota | None = None
-    """Per-tenant recorded bytes; in memory (one process) when not given."""
-    _held_versions: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter), init=False)
-    """tenant -> version -> requests in flight to that version, for versions other than the live one."""
+    """Per-tenant recorded bytes, on `quota_store` when not given."""
+    quota_store: QuotaStore | None = None
+    """Where both quotas count: Redis, shared by every gateway (`QuotaStore.connect`); this
+    process's memory when not given."""
     salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     """Keys each tenant's prefix-cache salt (`cache_salt`); never leaves the gateway."""
     _released: asyncio.Condition = field(default_factory=asyncio.Condition, init=False)
@@ -122,11 +123,14 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.limits = tenant_limits(self.engine.settings, self.settings)
+        if self.quota_store is None:
+            self.quota_store = QuotaStore.local()
         if self.quota is None:
             self.quota = TenantQuota(self.limits.requests, self.settings.tenant_rate_per_s, self.settings.tenant_burst,
-                                     sequences=self.limits.sequences)
+                                     sequences=self.limits.sequences,
+                                     pinned_versions=self.settings.tenant_pinned_versions, store=self.quota_store)
         if self.record_quota is None:
-            self.record_quota = RecordQuota("memory://", self.settings.tenant_recorded_bytes_per_s,
+            self.record_quota = RecordQuota(self.quota_store, self.settings.tenant_recorded_bytes_per_s,
                                             self.settings.tenant_recorded_burst_s)
         self.bounds = Bounds(max_tokens=self.limits.max_tokens, n=self.limits.n,
                              max_depth=self.settings.max_json_depth)
@@ -246,7 +250,7 @@ class Gateway:
         pins = sum(r.resident.pins(name) for r in self.engine.replicas for name in r.resident.names()
                    if SERVED_NAME_RE.fullmatch(name) and parse_served_name(name)[0] == tenant)
         return TenantHolds(quota_slots=self.quota.in_flight(tenant), sequences=self.quota.sequences_in_flight(tenant),
-                           version_holds=sum(self._held_versions.get(tenant, {}).values()), pins=pins)
+                           version_holds=self.quota.pinned_in_flight(tenant), pins=pins)
 
     async def wait_released(self, tenant: str, timeout_s: float = 30.0) -> TenantHolds:
         """Wait until every request of `tenant` has released what it held (a client sees the end
@@ -262,14 +266,15 @@ class Gateway:
 
     async def _hold(self, stack: contextlib.AsyncExitStack, tenant: str, ref: AdapterRef | None,
                     sequences: int) -> Lease:
-        """Take everything a request holds, each with its release on `stack`: the quota slot,
-        the hold on an old version, the engine lease (and adapter pin), the in-flight gauge.
-        Whoever closes `stack` releases them all, on every path."""
+        """Take everything a request holds, each with its release on `stack`: the quota slot
+        (counting a version other than the live one: each pins an adapter slot on a replica, so
+        a tenant may have requests in flight to at most `tenant_pinned_versions` of them), the
+        engine lease (and adapter pin), the in-flight gauge. Whoever closes `stack` releases
+        them all, on every path."""
         stack.push_async_callback(self._notify_released)  # runs last: after every release below
-        self.quota.acquire(tenant, sequences)
-        stack.callback(self.quota.release, tenant, sequences)
-        if ref is not None and ref != await self.swapper.live_ref(tenant):
-            self._hold_version(ref, stack)
+        pinned = ref.version if ref is not None and ref != await self.swapper.live_ref(tenant) else None
+        slot = await self.quota.acquire(tenant, sequences, pinned)
+        stack.push_async_callback(self.quota.release, slot)
         try:
             lease = await stack.enter_async_context(self.engine.lease(ref))
         except EngineUnavailable as e:
@@ -331,27 +336,6 @@ class Gateway:
         finally:
             if stack is not None:
                 await stack.aclose()
-
-    def _hold_version(self, ref: AdapterRef, stack: contextlib.AsyncExitStack) -> None:
-        """Count an in-flight request to a version other than its tenant's live one. Each pins
-        an adapter slot on a replica: a tenant with requests to every one of its old versions
-        at once would take every slot from every other tenant, so it may have at most
-        `tenant_pinned_versions` of them in flight (a 429 over it)."""
-        held, limit = self._held_versions[ref.tenant], self.settings.tenant_pinned_versions
-        if ref.version not in held and len(held) >= limit:
-            raise errors.rate_limited(f"tenant {ref.tenant} already has requests in flight to {len(held)} versions "
-                                      f"other than its live one ({', '.join(f'v{v}' for v in sorted(held))}); at "
-                                      f"most {limit} at once", retry_after_s=1)
-        held[ref.version] += 1
-        stack.callback(self._release_version, ref)
-
-    def _release_version(self, ref: AdapterRef) -> None:
-        held = self._held_versions[ref.tenant]
-        held[ref.version] -= 1
-        if not held[ref.version]:
-            del held[ref.version]
-        if not held:
-            del self._held_versions[ref.tenant]
 
     async def _record(self, rec: Recorder) -> None:
         """Log the interaction events of a finished completion and, with `durable_interactions`,

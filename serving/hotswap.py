@@ -33,6 +33,7 @@ from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
 from clora.registry import Registry, RegistryError
+from clora.settings import kafka_client_kwargs
 from clora.ingest.schemas import TOPIC_ADAPTERS, AdapterEvent
 from clora.serving.aliases import AdapterRef, AliasTable
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
@@ -173,6 +174,7 @@ class AdapterEventListener:
 
     def __init__(self, bootstrap: str, swapper: HotSwapper, loop: asyncio.AbstractEventLoop):
         self.bootstrap, self.swapper, self.loop = bootstrap, swapper, loop
+        self._kafka = kafka_client_kwargs()       # a bad combination is refused here, not in the thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adapter-events", daemon=True)
 
@@ -190,7 +192,8 @@ class AdapterEventListener:
                 if consumer is None:
                     consumer = KafkaConsumer(TOPIC_ADAPTERS, bootstrap_servers=self.bootstrap, group_id=None,
                                              auto_offset_reset="latest", enable_auto_commit=False,
-                                             consumer_timeout_ms=500, request_timeout_ms=10_000)
+                                             consumer_timeout_ms=500, request_timeout_ms=10_000,
+                                             **self._kafka)
                 for batch in consumer.poll(timeout_ms=500).values():
                     for rec in batch:
                         self._handle(rec.value)

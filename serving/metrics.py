@@ -1,8 +1,9 @@
 """Prometheus metrics of the gateway: requests by tenant and status, latency, time to the first
 streamed token, tokens, interactions that could not be recorded, hot swaps, feedback -> served
-freshness, and the engine's replicas and resident adapters, the interaction logger's
-deliveries. `ServingService` serves them on `GatewaySettings.metrics_port` (127.0.0.1: they
-name tenants), not on the public port.
+freshness, quota checks made locally while Redis failed, and the engine's replicas and
+resident adapters, the interaction logger's deliveries. `ServingService` serves them on
+`GatewaySettings.metrics_port` (on `metrics_host`, the loopback unless configured: they name
+tenants), not on the public port.
 
 `clora_feedback_to_served_seconds{tenant}` observes, for each feedback event first trained in
 a version, the seconds from the webhook's 202 to the first completion that version served
@@ -85,6 +86,9 @@ class GatewayMetrics:
                                    f"{freshness_tenants} tenants by name, the rest {OTHER_TENANTS!r})", ["tenant"],
                                    buckets=FRESHNESS_BUCKETS, registry=r)
         self.freshness_label = TenantLabels(freshness_tenants)
+        self.quota_fallbacks = Counter("clora_gateway_quota_fallbacks", "Per-tenant limit checks this gateway made "
+                                       "in its own memory because the shared quota store (Redis) failed, by limit",
+                                       ["limit"], registry=r)
 
     def watch(self, engine, logger=None) -> None:
         """Report `engine`'s replicas (health, restarts, resident adapters, requests) and the

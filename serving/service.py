@@ -27,6 +27,7 @@ from prometheus_client import start_http_server
 
 from clora.registry import Registry
 from clora.settings import HTTP_KEEP_ALIVE_S
+from clora.storage import StorageSettings, open_storage
 from clora.ingest.producer import EventProducer
 from clora.serving.aliases import AliasTable
 from clora.serving.engine import EngineManager
@@ -34,7 +35,7 @@ from clora.serving.gateway import Gateway, create_app
 from clora.serving.hotswap import AdapterEventListener, HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import GatewayMetrics
-from clora.serving.record_quota import RecordQuota
+from clora.serving.quota_store import QuotaStore
 from clora.serving.settings import EngineSettings, GatewaySettings, tenant_limits
 from clora.serving.spool import DiskSpool
 from clora.serving.traffic import TrafficRollup
@@ -52,8 +53,11 @@ class ServingStopped(RuntimeError):
 
 class ServingService:
     def __init__(self, engine: EngineSettings, gateway: GatewaySettings, *, kafka_bootstrap: str, redis_url: str,
-                 listen_adapter_events: bool = True):
+                 listen_adapter_events: bool = True, storage: StorageSettings | None = None):
         self.engine_settings, self.gateway_settings = engine, gateway
+        self.storage_settings = storage if storage is not None else StorageSettings()
+        """Where adapter versions are stored (`CLORA_STORAGE_*`): with S3 each is fetched into
+        `cache_dir` and verified before vLLM loads it from there."""
         self.kafka_bootstrap, self.redis_url = kafka_bootstrap, redis_url
         self.listen_adapter_events = listen_adapter_events
         tenant_limits(engine, gateway)  # raises ValueError for settings that leave a tenant nothing
@@ -117,7 +121,9 @@ class ServingService:
         es, gs = self.engine_settings, self.gateway_settings
         registry = Registry(redis.Redis.from_url(self.redis_url, socket_timeout=5))
         aliases = AliasTable()
-        engine = EngineManager(es, live_refs=aliases.refs, adapter_wait_s=gs.adapter_wait_s)
+        ss = self.storage_settings
+        engine = EngineManager(es, live_refs=aliases.refs, adapter_wait_s=gs.adapter_wait_s,
+                               storage=open_storage(ss, ss.cache_dir) if ss.backend == "s3" else None)
         rollup = TrafficRollup(registry)
         metrics = GatewayMetrics(rollup=rollup, freshness_tenants=gs.freshness_tenant_labels)
         swapper = HotSwapper(registry, aliases, engine, poll_s=gs.registry_poll_s, refresh_s=gs.tenant_refresh_s,
@@ -126,6 +132,8 @@ class ServingService:
                                    DiskSpool(gs.spool_dir), ack_timeout_s=gs.kafka_timeout_s).start()
         metrics.watch(engine, logger)
         listener = exporter = None
+        quota_store = QuotaStore.connect(self.redis_url, lease_s=gs.quota_lease_s, timeout_s=gs.quota_store_timeout_s,
+                                         retry_s=gs.quota_store_retry_s, metrics=metrics) if gs.shared_quotas else None
         try:
             exporter = self._export(metrics)
             await engine.start()
@@ -134,9 +142,7 @@ class ServingService:
             if self.listen_adapter_events:
                 listener = AdapterEventListener(self.kafka_bootstrap, swapper, self.loop)
                 listener.start()
-            self.gateway = Gateway(gs, registry, engine, swapper, logger, metrics=metrics,
-                                   record_quota=RecordQuota(self.redis_url, gs.tenant_recorded_bytes_per_s,
-                                                            gs.tenant_recorded_burst_s))
+            self.gateway = Gateway(gs, registry, engine, swapper, logger, metrics=metrics, quota_store=quota_store)
             config = uvicorn.Config(create_app(self.gateway), host=gs.host, port=gs.port, log_level="warning",
                                     lifespan="off", timeout_graceful_shutdown=5,
                                     timeout_keep_alive=HTTP_KEEP_ALIVE_S)
@@ -164,14 +170,17 @@ class ServingService:
             await rollup.stop()
             await engine.stop()
             await asyncio.to_thread(logger.stop)
+            if quota_store is not None:
+                await quota_store.close()
 
     def _export(self, metrics: GatewayMetrics):
-        """Serve the gateway's metrics on `metrics_port` (on the loopback: they name tenants)."""
+        """Serve the gateway's metrics on `metrics_host:metrics_port` (the loopback unless configured:
+        they name tenants)."""
         gs = self.gateway_settings
         if gs.metrics_port is None:
             return None
         try:
-            server, _ = start_http_server(gs.metrics_port, addr="127.0.0.1", registry=metrics.registry)
+            server, _ = start_http_server(gs.metrics_port, addr=gs.metrics_host, registry=metrics.registry)
         except OSError as e:
             log.warning("metrics port %s busy (%s); the gateway exports no metrics", gs.metrics_port, e)
             return None

@@ -25,6 +25,7 @@ class EngineSettings(BaseSettings):
     base_name: str = "base"
     """Name clients use for the base model (vLLM `--served-model-name`)."""
     host: str = "127.0.0.1"
+    """`CLORA_ENGINE_HOST`: the address the local vLLM replicas bind, and the gateway reaches them at."""
     ports: list[int] = Field(default_factory=lambda: [8100], min_length=1)
     """One vLLM replica per port."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
@@ -80,9 +81,14 @@ class GatewaySettings(BaseSettings):
     model_config = settings_config("CLORA_GATEWAY_")
 
     host: str = "127.0.0.1"
+    """`CLORA_GATEWAY_HOST`: the address the gateway binds (`0.0.0.0` in a container); its health
+    check, `GET /health`, answers on the same port."""
     port: int = Field(default=8000, ge=0, le=65535)
     metrics_port: int | None = Field(default=9403, ge=0, le=65535)
-    """Prometheus metrics on 127.0.0.1 (0: any free port; None: none)."""
+    """Prometheus metrics on `metrics_host` (0: any free port; None: none)."""
+    metrics_host: str = "127.0.0.1"
+    """`CLORA_GATEWAY_METRICS_HOST`: the address the Prometheus endpoint binds (`0.0.0.0` for a
+    scraper outside the container or host; the metrics name tenants, so keep it off public networks)."""
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     """Larger request bodies answer 413."""
     max_tokens_limit: int = Field(default=4096, ge=1)
@@ -99,8 +105,24 @@ class GatewaySettings(BaseSettings):
     """Versions other than its live one (`acme@v3`) one tenant may have requests in flight to at
     once; a request to yet another answers 429. Each such version holds an adapter slot."""
     tenant_rate_per_s: float = Field(default=50.0, gt=0)
-    """Sustained requests per second per tenant (token bucket); more answer 429."""
+    """Sustained requests per second per tenant; more answer 429. Counted as `tenant_burst`
+    requests per sliding window of `ceil(tenant_burst / tenant_rate_per_s)` s (`serving/quota.py`)."""
     tenant_burst: int = Field(default=100, ge=1)
+    shared_quotas: bool = True
+    """Count every per-tenant limit (requests, sequences and pinned versions in flight,
+    requests/s, recorded bytes/s) in Redis, the registry's, so that each is the tenant's total
+    across every gateway instance. Off: in this process's memory, each gateway enforcing every
+    limit on its own (for a single gateway). When Redis fails the gateway counts locally until
+    it answers again (`serving/quota_store.py`)."""
+    quota_lease_s: float = Field(default=30.0, ge=1)
+    """A request's slot in Redis expires this long after its gateway last renewed it (every
+    third of it while the request runs): a gateway killed with requests in flight frees their
+    slots within this time."""
+    quota_store_timeout_s: float = Field(default=0.5, gt=0)
+    """Longest a quota check waits for Redis before it is made locally."""
+    quota_store_retry_s: float = Field(default=5.0, gt=0)
+    """After Redis failed a quota check, checks are made locally for this long before Redis is
+    tried again."""
     max_json_depth: int = Field(default=32, ge=2, le=256)
     """Deepest nesting of objects and arrays in any request field (`tools`' JSON schemas
     included); deeper answers 400 naming the field."""

@@ -46,6 +46,34 @@ def redis_client(stack):
     client.close()
 
 
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto in server mode, on a free port) for the whole session;
+    yields its endpoint URL. Tests isolate themselves by bucket (`s3_storage_settings`)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_storage_settings(s3):
+    """`StorageSettings` of a fresh bucket of the `s3` server, created here."""
+    import boto3
+
+    from clora.storage import StorageSettings
+
+    settings = StorageSettings(backend="s3", s3_endpoint_url=s3, s3_bucket=f"clora-{uuid.uuid4().hex[:12]}",
+                               s3_region="us-east-1", s3_access_key_id="test", s3_secret_access_key="test",
+                               s3_max_attempts=1, s3_timeout_s=10)
+    boto3.client("s3", endpoint_url=s3, region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket=settings.s3_bucket)
+    return settings
+
+
 @pytest.fixture
 def tenant_id() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"

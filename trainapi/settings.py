@@ -14,6 +14,8 @@ class TrainApiSettings(BaseSettings):
     model_config = settings_config("CLORA_TRAINAPI_")
 
     host: str = "127.0.0.1"
+    """`CLORA_TRAINAPI_HOST`: the address the Tinker API binds (`0.0.0.0` in a container); its health
+    check, `GET /api/v1/healthz`, answers on the same port."""
     port: int = Field(default=8600, ge=0, le=65535)
     """The Tinker door's own port (`TINKER_BASE_URL=http://<host>:<port>`)."""
     base_model: str = "smollm2"

@@ -23,6 +23,7 @@ from clora.serving.aliases import AdapterRef
 from clora.serving.engine import EngineManager
 from clora.serving.gateway import Gateway, create_app
 from clora.serving.interactions import InteractionLogger
+from clora.serving.quota_store import QuotaStore
 from clora.serving.settings import EngineSettings, GatewaySettings
 from clora.serving.spool import DiskSpool
 
@@ -134,7 +135,10 @@ class Reply:
 
 class Harness:
     def __init__(self, tmp_path: Path, vllm: Callable[[httpx.Request], Any] = default_vllm, *,
-                 producer: FakeProducer | None = None, engine: dict[str, Any] | None = None, **gateway: Any):
+                 producer: FakeProducer | None = None, engine: dict[str, Any] | None = None,
+                 quota_store: QuotaStore | None = None, **gateway: Any):
+        """`quota_store`: where the quotas count (Redis, shared with other harnesses; default:
+        this gateway's memory)."""
         self.upstream: list[tuple[str, dict[str, Any], httpx.Headers]] = []
 
         def handler(request: httpx.Request):
@@ -153,7 +157,8 @@ class Harness:
         self.producer = producer or FakeProducer()
         self.logger = InteractionLogger(lambda: self.producer, DiskSpool(tmp_path / "spool"), ack_timeout_s=2.0,
                                         retry_s=0.05).start()
-        self.gateway = Gateway(self.settings, FakeRegistry(), self.engine, FakeSwapper(), self.logger)
+        self.gateway = Gateway(self.settings, FakeRegistry(), self.engine, FakeSwapper(), self.logger,
+                               quota_store=quota_store)
         self.app = create_app(self.gateway)
 
     def close(self) -> None:
@@ -202,7 +207,7 @@ class Harness:
         return {"quota_slots": self.gateway.quota.in_flight(tenant),
                 "leases": sum(r.in_flight for r in self.engine.replicas),
                 "pins": sum(r.resident.pins(f"{tenant}@v{v}") for r in self.engine.replicas for v in (1, LIVE)),
-                "version_holds": sum(self.gateway._held_versions.get(tenant, {}).values())}
+                "version_holds": self.gateway.quota.pinned_in_flight(tenant)}
 
 
 def run(coro_fn: Callable[..., Any], *args: Any) -> Any:

@@ -357,10 +357,10 @@ def test_one_tenant_cannot_pin_every_adapter_slot_with_its_old_versions(serving,
     """Each in-flight request to an old version holds an adapter slot: a tenant may have requests
     to at most `tenant_pinned_versions` (2) versions other than its live one at once.
 
-    Two requests in flight to v1 and v2 are held on the gateway's loop exactly as `_complete`
-    holds a real one (a real stream can finish server-side before the next request arrives:
-    a first version of this test raced that way in CI)."""
-    from clora.serving.aliases import AdapterRef
+    Two requests in flight to v1 and v2 hold their quota slots on the gateway's loop exactly as
+    `_complete` holds a real one's (a real stream can finish server-side before the next request
+    arrives: a first version of this test raced that way in CI)."""
+    from clora.serving.tenant_slots import Occupancy
 
     tenant, key = tenants.create(11, 12, 13, 14)  # v4 is live
     c = client_for(key)
@@ -368,7 +368,7 @@ def test_one_tenant_cannot_pin_every_adapter_slot_with_its_old_versions(serving,
 
     async def hold(*versions: int) -> None:
         for v in versions:
-            gw._hold_version(AdapterRef(tenant, v, ""), stack)
+            stack.push_async_callback(gw.quota.release, await gw.quota.acquire(tenant, 1, pinned=v))
 
     serving.call(hold(1, 2))
     with pytest.raises(openai.RateLimitError) as e:
@@ -382,7 +382,8 @@ def test_one_tenant_cannot_pin_every_adapter_slot_with_its_old_versions(serving,
     # The client sees [DONE] a moment before the gateway releases what the stream held: wait for
     # the gateway's own release, then check that real requests release everything they held.
     holds = serving.call(gw.wait_released(tenant, timeout_s=30))
-    assert streamed and holds.empty() and tenant not in gw._held_versions, holds
+    assert streamed and holds.empty(), holds
+    assert serving.call(gw.quota_store.slots.occupancy(tenant)) == Occupancy(0, 0, ())  # nothing left in Redis
 
 
 def test_the_engines_port_refuses_every_caller_but_the_gateway(serving, tenants, client_for):
