@@ -11,6 +11,7 @@ Keys (all under `clora:`):
     clora:tinkerkey:{sha256(key)}      the tenant id and key id a Tinker key belongs to (lookup)
     clora:tenant:{id}:versions         hash version -> JSON of `AdapterVersion`
     clora:tenant:{id}:live             the live version number
+    clora:tenant:{id}:version_floor    the highest version number handed to a publisher (`claim_version`)
     clora:iowner:{interaction id}      the tenant an interaction was served to (TTL)
     clora:ichoices:{response id}       how many choices a response with n > 1 had (TTL): feedback
                                        names one of them, `{response id}-{index}`
@@ -23,6 +24,14 @@ Keys (all under `clora:`):
     clora:tenant:{id}:freshness        hash version -> JSON of `FreshnessSummary`
     clora:tenant:{id}:tinker_samplers  hash tinker path -> version: the version each
                                        `tinker://<model id>/sampler_weights/<name>` was published as
+    clora:engine                       hash gateway -> JSON of its engine replicas' state (health,
+                                       resident adapters, adapters out of rotation), for the console
+
+The learner's writes of a tenant's versions (`claim_version`, `record_lineage`,
+`record_adapter_version`, `set_live_version`) may carry a `Fence` (`clora.fencing`): the lease
+the learner holds on the tenant. Each such write is one Lua script that checks the lease key
+still holds that lease before it writes, and raises `FencedOut` otherwise, so a learner whose
+lease lapsed can never record or make live a version after another learner took the tenant.
 
 Every key built from a tenant id checks it first (`TenantNotFound` for an id no tenant can
 have): `acme:keys` must never reach the key of tenant `acme`'s keys.
@@ -58,6 +67,8 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from clora.canary import AdapterCanary
+from clora.fencing import Fence, FencedOut
 from clora.freshness import FreshnessSummary, VersionLineage, percentile
 from clora.ids import RESERVED_TENANT_IDS, TENANT_ID_RE, choice_ids, validate_tenant_id
 from clora.reward_spec import RewardSpec
@@ -82,6 +93,10 @@ stops a collapse; a tenant that must stay a general assistant sets it lower (~0.
 
 class RegistryError(Exception):
     """A registry operation was refused (unknown tenant, duplicate id, bad key...)."""
+
+
+class _ScriptRefused(Exception):
+    """A registry script refused its write for a reason of its own (`EXISTS`, `NOVERSION`)."""
 
 
 class TenantNotFound(RegistryError):
@@ -262,6 +277,10 @@ class AdapterVersion(BaseModel):
     tinker_path: str | None = None
     """The `tinker://<model id>/sampler_weights/<name>` path the SDK was given for it; None for a
     learner version and for a Tinker run's ephemeral save (`save_weights_and_get_sampling_client`)."""
+    canary: AdapterCanary | None = None
+    """A prompt and the learner's log-probabilities of it with and without this version's adapter:
+    serving checks that each replica reproduces them before routing to it (`clora.canary`). None
+    when the publisher computed none."""
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -325,6 +344,38 @@ TINKER_KEY_PREFIX = "tml-"
 """What a Tinker key starts with (the SDK checks it on the client)."""
 
 
+_FENCE_CHECK = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('FENCED')
+end
+"""
+"""The head of every fenced script: KEYS[1] is the lease key and ARGV[1] the value it must hold
+(`Fence.value`); ARGV[1] "" writes without a fence (KEYS[1] is then never read)."""
+
+_CLAIM_VERSION = _FENCE_CHECK + """
+local n = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, tonumber(ARGV[2]))
+redis.call('SET', KEYS[2], n)
+return n
+"""
+_RECORD_VERSION = _FENCE_CHECK + """
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return redis.error_reply('EXISTS') end
+return 1
+"""
+_SET_LIVE = _FENCE_CHECK + """
+if ARGV[2] == '' then
+  redis.call('DEL', KEYS[3])
+  return 1
+end
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then return redis.error_reply('NOVERSION') end
+redis.call('SET', KEYS[3], ARGV[2])
+return 1
+"""
+_RECORD_LINEAGE = _FENCE_CHECK + """
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+
 class Registry:
     """Tenants, keys and adapter versions. Thread-safe as long as the client is."""
 
@@ -333,6 +384,8 @@ class Registry:
         platform's own base-model name, when it is not `base`)."""
         self.r = client
         self.reserved_ids = RESERVED_TENANT_IDS | frozenset(reserved_ids)
+        self._scripts: dict[str, Any] = {}
+        """Fenced writes' scripts, registered on first use."""
 
     # --- tenants --------------------------------------------------------------------------
 
@@ -496,9 +549,43 @@ class Registry:
 
     # --- adapter versions -----------------------------------------------------------------
 
-    def record_adapter_version(self, tenant_id: str, version: AdapterVersion) -> None:
-        if not self.r.hsetnx(self._tkey(tenant_id) + ":versions", str(version.version), version.model_dump_json()):
-            raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}")
+    def claim_version(self, tenant_id: str, at_least: int, *, fence: Fence | None = None) -> int:
+        """The number of the tenant's next version: `at_least` or more, and above every number
+        handed out before (`version_floor`), so two publishers never write the same number, even
+        when one of them lost its lease midway (its number stays taken, never reused). Raises
+        `FencedOut` when `fence` is no longer current."""
+        return int(self._fenced(_CLAIM_VERSION, fence, [self._tkey(tenant_id) + ":version_floor"],
+                                [int(at_least)], f"claiming {tenant_id}'s version {at_least}"))
+
+    def record_adapter_version(self, tenant_id: str, version: AdapterVersion, *, fence: Fence | None = None) -> None:
+        """Record a published version (never replacing one). With `fence`: one script that checks
+        it first (`FencedOut` when it is no longer current; nothing is written then)."""
+        if fence is None:
+            if not self.r.hsetnx(self._tkey(tenant_id) + ":versions", str(version.version), version.model_dump_json()):
+                raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}")
+            return
+        try:
+            self._fenced(_RECORD_VERSION, fence, [self._tkey(tenant_id) + ":versions"],
+                         [str(version.version), version.model_dump_json()], f"recording {tenant_id} v{version.version}")
+        except _ScriptRefused as e:
+            raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}") from e
+
+    def _fenced(self, source: str, fence: Fence | None, keys: list[str], args: list, what: str):
+        """Run fenced script `source` (`_FENCE_CHECK` first) over `keys` and `args`. Raises
+        `FencedOut` when the fence is not current and `_ScriptRefused` when the script refused
+        the write."""
+        if (script := self._scripts.get(source)) is None:
+            script = self._scripts[source] = self.r.register_script(source)
+        try:
+            return script(keys=[fence.key if fence is not None else keys[0], *keys],
+                          args=[fence.value if fence is not None else "", *args])
+        except redis.ResponseError as e:
+            if str(e).startswith("FENCED"):
+                raise FencedOut(f"{what}: the lease {fence.key} is no longer held by {fence.holder} with "
+                                f"token {fence.token}") from e
+            if str(e).split(" ")[0] in ("EXISTS", "NOVERSION"):
+                raise _ScriptRefused(str(e)) from e
+            raise
 
     def mark_rolled_back(self, tenant_id: str, version: int, note: dict) -> AdapterVersion:
         """Record on a published version that the reward guard rolled it back (`rolled_back`);
@@ -529,12 +616,21 @@ class Registry:
             raise RegistryError(f"tenant {tenant_id!r} has no adapter version {version}")
         return AdapterVersion.model_validate_json(raw)
 
-    def set_live_version(self, tenant_id: str, version: int | None) -> None:
-        if version is None:
-            self.r.delete(self._tkey(tenant_id) + ":live")
+    def set_live_version(self, tenant_id: str, version: int | None, *, fence: Fence | None = None) -> None:
+        """Make recorded `version` live (None: nothing). With `fence`: one script that checks it
+        first (`FencedOut` when it is no longer current)."""
+        if fence is None:
+            if version is None:
+                self.r.delete(self._tkey(tenant_id) + ":live")
+                return
+            self.adapter_version(tenant_id, version)  # must exist
+            self.r.set(self._tkey(tenant_id) + ":live", version)
             return
-        self.adapter_version(tenant_id, version)  # must exist
-        self.r.set(self._tkey(tenant_id) + ":live", version)
+        try:
+            self._fenced(_SET_LIVE, fence, [self._tkey(tenant_id) + ":versions", self._tkey(tenant_id) + ":live"],
+                         ["" if version is None else str(int(version))], f"making {tenant_id} v{version} live")
+        except _ScriptRefused as e:
+            raise RegistryError(f"tenant {tenant_id!r} has no adapter version {version}") from e
 
     def live_version(self, tenant_id: str) -> int | None:
         raw = self.r.get(self._tkey(tenant_id) + ":live")
@@ -558,10 +654,16 @@ class Registry:
 
     # --- freshness: feedback -> served (clora.freshness) ------------------------------------
 
-    def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage) -> None:
+    def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage, *,
+                       fence: Fence | None = None) -> None:
         """Store the feedback events first trained in `version` (the learner, before the
-        version is recorded and made live, so that whoever serves it first finds them)."""
-        self.r.set(self._lineage_key(tenant_id, version), lineage.model_dump_json())
+        version is recorded and made live, so that whoever serves it first finds them).
+        With `fence`: `FencedOut` when it is no longer current."""
+        if fence is None:
+            self.r.set(self._lineage_key(tenant_id, version), lineage.model_dump_json())
+            return
+        self._fenced(_RECORD_LINEAGE, fence, [self._lineage_key(tenant_id, version)],
+                     [lineage.model_dump_json()], f"recording {tenant_id} v{version}'s lineage")
 
     def lineage(self, tenant_id: str, version: int) -> VersionLineage:
         """The events first trained in `version`; empty for a version that trained on nothing new
@@ -666,6 +768,23 @@ class Registry:
                 for name, value in _floats(next(raws)).items():
                     total[name] = total.get(name, 0.0) + value
         return totals
+
+    # --- engine replicas (written by each gateway, read by the console) ---------------------
+
+    def report_engine(self, gateway: str, replicas: list[dict[str, Any]], stale_s: float) -> None:
+        """Store `gateway`'s view of its engine replicas (`EngineManager.report`) with the time,
+        and forget every gateway's report older than `stale_s` (a gateway that stopped)."""
+        now = time.time()
+        key = PREFIX + "engine"
+        self.r.hset(key, gateway, json.dumps({"time": now, "replicas": replicas}))
+        stale = [g for g, raw in self.r.hgetall(key).items() if json.loads(raw)["time"] < now - stale_s]
+        if stale:
+            self.r.hdel(key, *stale)
+
+    def engine_reports(self) -> dict[str, dict[str, Any]]:
+        """gateway -> {"time": when it reported, "replicas": [...]}, for every gateway that reported."""
+        return {g.decode() if isinstance(g, bytes) else g: json.loads(raw)
+                for g, raw in self.r.hgetall(PREFIX + "engine").items()}
 
     @staticmethod
     def _minutes(minutes: int, now: float | None) -> range:

@@ -75,6 +75,9 @@ class StorageSettings(BaseSettings):
     """The bucket (it must exist); required with `s3`."""
     s3_prefix: str = "adapters"
     """Key prefix of every version: `<prefix>/<tenant>/v<N>/<file>` ("" for none)."""
+    s3_checkpoint_prefix: str = "checkpoints"
+    """Key prefix of the learners' training-state checkpoints with `s3`
+    (`<prefix>/tenants/<tenant>/...`, `clora.checkpoint_storage`): apart from the versions."""
     s3_region: str | None = None
     """Unset: boto3's default (`AWS_REGION`, the config file)."""
     s3_access_key_id: str | None = None
@@ -87,7 +90,7 @@ class StorageSettings(BaseSettings):
     s3_max_attempts: int = Field(default=5, ge=1)
     """Attempts per call (boto3's standard retry mode, with back-off)."""
 
-    @field_validator("s3_prefix")
+    @field_validator("s3_prefix", "s3_checkpoint_prefix")
     @classmethod
     def _strip_slashes(cls, v: str) -> str:
         return v.strip("/")
@@ -96,6 +99,10 @@ class StorageSettings(BaseSettings):
     def _s3_complete(self) -> "StorageSettings":
         if self.backend == "s3" and not self.s3_bucket:
             raise ValueError("s3_bucket is required with backend s3")
+        ckpt, versions = self.s3_checkpoint_prefix, self.s3_prefix
+        if not ckpt or ckpt == versions or (versions and ckpt.startswith(versions + "/")) \
+                or (versions and versions.startswith(ckpt + "/")):
+            raise ValueError(f"s3_checkpoint_prefix {ckpt!r} must be set and apart from s3_prefix {versions!r}")
         if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
             raise ValueError("set both s3_access_key_id and s3_secret_access_key, or neither")
         return self
@@ -239,27 +246,50 @@ class Manifest(BaseModel):
                                             f"{want.sha256[:12]}...")
 
 
+def s3_client(settings: StorageSettings):
+    """A boto3 S3 client for the store `settings` describe (imported here: a local deployment
+    never imports boto3)."""
+    import boto3
+    from botocore.config import Config
+
+    style = settings.s3_addressing_style or ("path" if settings.s3_endpoint_url else "auto")
+    secret = settings.s3_secret_access_key
+    return boto3.session.Session().client(
+        "s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
+        aws_access_key_id=settings.s3_access_key_id,
+        aws_secret_access_key=secret.get_secret_value() if secret is not None else None,
+        config=Config(s3={"addressing_style": style}, connect_timeout=settings.s3_timeout_s,
+                      read_timeout=settings.s3_timeout_s,
+                      retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"}))
+
+
+def s3_call(what: str, fn, *args, **kwargs):
+    """One boto3 call; its errors become `StorageError` (`StorageIntegrityError` when the object
+    is missing)."""
+    from boto3.exceptions import Boto3Error
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return fn(*args, **kwargs)
+    except ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        if code in ("NoSuchKey", "404", "NotFound"):
+            raise StorageIntegrityError(f"{what}: no such object") from e
+        raise StorageError(f"{what} failed: {e}") from e
+    except (BotoCoreError, Boto3Error) as e:
+        raise StorageError(f"{what} failed: {e}") from e
+
+
 class S3Storage:
     """Versions in an S3-compatible bucket, fetched into the local cache `root`."""
 
     def __init__(self, settings: StorageSettings, root: Path | str):
-        import boto3                       # here: a local deployment never imports boto3
-        from botocore.config import Config
-
         if not settings.s3_bucket:
             raise ValueError("S3Storage needs settings.s3_bucket")
         self.root = Path(root)
         self.bucket = settings.s3_bucket
         self.prefix = f"{settings.s3_prefix}/" if settings.s3_prefix else ""
-        style = settings.s3_addressing_style or ("path" if settings.s3_endpoint_url else "auto")
-        secret = settings.s3_secret_access_key
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=settings.s3_endpoint_url, region_name=settings.s3_region,
-            aws_access_key_id=settings.s3_access_key_id,
-            aws_secret_access_key=secret.get_secret_value() if secret is not None else None,
-            config=Config(s3={"addressing_style": style}, connect_timeout=settings.s3_timeout_s,
-                          read_timeout=settings.s3_timeout_s,
-                          retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"}))
+        self.client = s3_client(settings)
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -285,20 +315,7 @@ class S3Storage:
     # --- the store ----------------------------------------------------------------------
 
     def _call(self, what: str, fn, *args, **kwargs):
-        """One boto3 call; its errors become `StorageError` (`StorageIntegrityError` when the
-        object is missing)."""
-        from boto3.exceptions import Boto3Error
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return fn(*args, **kwargs)
-        except ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise StorageIntegrityError(f"{what}: no such object") from e
-            raise StorageError(f"{what} failed: {e}") from e
-        except (BotoCoreError, Boto3Error) as e:
-            raise StorageError(f"{what} failed: {e}") from e
+        return s3_call(what, fn, *args, **kwargs)
 
     def _put(self, key: str, path: Path) -> None:
         self._call(f"uploading s3://{self.bucket}/{key}", self.client.upload_file, str(path), self.bucket, key)

@@ -225,7 +225,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
 
         fresh = registry.freshness(tenant_id)
         return {"live": registry.live_version(tenant_id), "base_reward": served(None),
-                "versions": [v.model_dump() | {"served_reward": served(v.version),
+                "versions": [v.model_dump(exclude={"canary"}) | {"served_reward": served(v.version),
                                                "freshness": _dump(fresh.get(v.version))}
                              for v in registry.adapter_versions(tenant_id)]}
 
@@ -313,6 +313,13 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         that stalled, and the embedded broker restarting empty (`data_lost`)."""
         events = recent_service_events(registry.r, max(1, min(n, EVENTS_MAX)))
         return {"events": [asdict(e) for e in events]}
+
+    @api.get("/engine", dependencies=[Depends(admin)])
+    def engine():
+        """Each gateway's engine replicas as it last reported them (`EngineManager.report`): health,
+        resident adapters, and the adapters a replica is out of rotation for (its load or canary
+        failed) with the reason and when it is retried."""
+        return {"gateways": [{"gateway": g, **r} for g, r in sorted(registry.engine_reports().items())]}
 
     @api.post("/dlq/{event_id}/replay", dependencies=[Depends(admin)])
     def dlq_replay(event_id: str):

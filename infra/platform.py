@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -120,7 +121,11 @@ class Platform:
                     env["CLORA_ENGINE_MODEL"] = model.path
                 env.update(self._trainapi_env(model))   # the learner runs the training API's requests
             if "learner" in wanted:
-                self._add(service_process("learner", ["learner"], env, logs,
+                # one id across restarts: a restarted learner takes its own tenants' leases back at
+                # once instead of waiting out their TTL (`clora.learner.leases`)
+                learner_env = {"CLORA_LEARNER_INSTANCE_ID": f"{socket.gethostname()}-learner"} \
+                    if "CLORA_LEARNER_INSTANCE_ID" not in os.environ else {}
+                self._add(service_process("learner", ["learner"], {**env, **learner_env}, logs,
                                           stop_timeout_s=90.0,      # finishes its step, checkpoints every tenant
                                           heartbeat=True, unresponsive_after_s=sup.learner_unresponsive_after_s,
                                           supervision=sup))

@@ -4,7 +4,9 @@
 |-----------------|------|
 | `process`       | `Learner`, the tick loop (serial and fused), and `main`, the `clora learner` entry point |
 | `tenant`        | `LearnerTenant`: the loop's record of one tenant (checkpoint due, back-off, flat check, gate cache) |
-| `lifecycle`     | `TenantLifecycle`: restore checkpoints, register tenants, checkpoint, follow the live version |
+| `lifecycle`     | `TenantLifecycle`: load a tenant's newest checkpoint or register it, drop it, checkpoint, follow the live version |
+| `leases`        | `RedisLeases`, `SoleLearner`: which learner trains which tenant (leases with fencing tokens, fair share, failover) |
+| `ownership`     | `Ownership`: what the loop does as leases are taken, lost and handed back |
 | `sampling`      | `Sampler`: a tenant's next batch from the replay buffer; flat RL batches consumed without a step |
 | `backoff`       | `Backoff`, `StepFailures`: a failed step is logged and counted, and its tenant waits |
 | `gate`          | `PublishGate`: candidate vs live held-out loss, the live-loss cache, drift, the decision, publish and prune |
@@ -19,7 +21,7 @@
 | `fused_slots`   | `FusedSlots`: K tenants resident on the device at once |
 | `adapter_store` | `AdapterState`, `AdapterStore`: every tenant's state on the host, one resident on the device |
 | `copy_engine`   | host <-> device copy engines (sync, background thread, CUDA stream) |
-| `checkpoint`    | per-tenant checkpoints of the full training state, written atomically |
+| `checkpoint`    | per-tenant checkpoints of the full training state: the file format, and `Checkpoints` under a fencing token |
 | `publish`       | `Publisher`: versioned adapter folders, recorded in the registry and announced |
 | `peft_io`       | adapters on disk in PEFT format |
 | `lora`          | `LoraSpec`, `LoraLayout`, `LoraModel`: LoRA on the frozen base, one flat buffer per adapter |

@@ -5,7 +5,8 @@
 The Tinker-compatible training API (`clora.trainapi.executor.TinkerWork`) is one: each training
 run with requests queued shows up as one more `TenantView`, weighted and prioritised as its
 tenant is, and the scheduler picks it as it picks a tenant, so a research loop and the
-continuously learning tenants share the device by the same rule. The learner never imports the
+continuously learning tenants share the device by the same rule. Each unit belongs to a tenant
+(`owner`) and runs only on the learner that holds that tenant's lease. The learner never imports the
 package above it; `clora learner` passes it in (`process.main(..., external=...)`).
 """
 
@@ -23,6 +24,12 @@ def metric_label(view_id: str) -> str:
     return "/".join(view_id.split("/")[:2])
 
 
+def owner(view_id: str) -> str:
+    """The tenant a view belongs to: a tenant's id is its own; external work's `owner/kind/name`
+    is its owner's (a Tinker run follows its tenant's lease). Example: owner("acme/tinker/9f") == "acme"."""
+    return view_id.split("/", 1)[0]
+
+
 class ExternalWork(Protocol):
     def views(self, registered: dict) -> list[TenantView]:
         """One view per unit of work that wants the device now; `registered` holds the registry's
@@ -38,6 +45,10 @@ class ExternalWork(Protocol):
 
     def wait(self, timeout_s: float) -> None:
         """Block up to `timeout_s` or until new work arrives (the loop's idle wait)."""
+
+    def drop(self, tenant: str) -> None:
+        """The learner lost `tenant`'s lease, handed it back or just took it: forget what it holds
+        of the tenant's work in memory (it is read again from its checkpoints when needed)."""
 
     def close(self) -> None:
         """The learner stops: persist what must survive."""

@@ -1,18 +1,23 @@
 """A tenant's training state from registration on: `TenantLifecycle`.
 
-- On start, every checkpoint is restored (`restore`); torn temporary checkpoint files and
-  publish folders a crash left are removed. A crash loses at most the steps since the last
-  checkpoint. Version numbers come from the registry and the adapters folder, never from the
-  checkpoint, so they never go back.
+- On start, torn temporary checkpoint files a crash left are removed (`restore`). A tenant is
+  loaded from its newest checkpoint when it is first admitted after this learner took its lease
+  (`admit`), wherever that checkpoint was written (`clora.learner.checkpoint.Checkpoints`); a
+  tenant whose lease it loses or hands back is dropped from memory unsaved (`drop`). A crash
+  loses at most the steps since the last checkpoint. Version numbers come from the registry and
+  the adapter storage, never from the checkpoint, so they never go back.
 - A tenant seen without a checkpoint is registered (`admit`): it starts from its live
   version's weights when it has one (checkpoints lost), else from its `init_adapter`
   (published first, as its v1), else from a fresh LoRA init. A tenant that cannot train (over
   capacity, or an `init_adapter` that does not fit the LoRA layout) is refused once, logged,
   and not retried.
-- Checkpoints (`checkpoint`); in fused mode the tenant's fused copy is written back first.
+- Checkpoints (`checkpoint`), under the tenant's lease (`FencedOut` once another learner took
+  it); in fused mode the tenant's fused copy is written back first.
 - Its weights are replaced by a published version's (`restore_weights`) when someone else
   chose the live version (`follow_live`: an operator's rollback or promote) or the reward
-  guard rolls it back; a failed step's gradients are dropped (`drop_grads`).
+  guard rolls it back; a failed step's gradients are dropped (`drop_grads`). A live version that
+  is this state's own candidate (published after the checkpoint that holds it, by a learner that
+  died before it could checkpoint again) is adopted as it is.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 import torch
 
+from clora.fencing import Fence
 from clora.learner.adapter_store import EXP_AVG, GRAD, MASTER, AdapterCapacityError, AdapterState, AdapterStore
-from clora.learner.checkpoint import list_checkpoints, load_checkpoint, remove_partial, save_checkpoint
+from clora.learner.checkpoint import CheckpointError, Checkpoints, tenant_checkpoint
 from clora.learner.fused import FusedTrainer
 from clora.learner.peft_io import AdapterFormatError
 from clora.learner.publish import Publisher
@@ -42,8 +48,12 @@ def tenant_seed(tenant: str) -> int:
 
 class TenantLifecycle:
     def __init__(self, settings: LearnerSettings, registry, store: AdapterStore, publisher: Publisher,
-                 fused: FusedTrainer | None, tenants: MutableMapping[str, LearnerTenant]):
+                 fused: FusedTrainer | None, tenants: MutableMapping[str, LearnerTenant], checkpoints: Checkpoints,
+                 fence: Callable[[str], Fence | None] = lambda tenant: None):
         self.s = settings
+        self.checkpoints = checkpoints
+        self.fence = fence
+        """The tenant's lease a checkpoint is written under (`Leases.check`)."""
         self.registry = registry
         self.store = store
         self.publisher = publisher
@@ -54,27 +64,53 @@ class TenantLifecycle:
 
     # --- registration -------------------------------------------------------------------------
 
-    def restore(self) -> list[str]:
-        """Load every tenant checkpoint; drop torn temporary checkpoint files and publish folders."""
-        if partial := remove_partial(self.s.checkpoints_dir):
+    def restore(self) -> list:
+        """Drop the temporary checkpoint files a crash left (each the size of a whole checkpoint:
+        left alone they would fill the disk). Returns them."""
+        if partial := self.checkpoints.storage.clean_partial():
             log.warning("removed %d checkpoint file(s) a crash left half-written: %s", len(partial),
                         [p.name for p in partial])
-        restored = []
-        for path in list_checkpoints(self.s.checkpoints_dir):
-            st = load_checkpoint(path, self.store.layout.numel)
-            self.store.put(st)
-            self.publisher.clean_partial(st.tenant)
-            restored.append(st.tenant)
-        if restored:
-            log.info("restored %d tenant checkpoints: %s", len(restored), restored)
-        return restored
+        return partial
 
     def admit(self, t) -> bool:
-        """Whether registry tenant `t` can train: registered now when it is new, False when it
-        was refused (now or before)."""
+        """Whether registry tenant `t` can train: loaded from its newest checkpoint, or registered
+        when it has none, when it is not in memory; False when it was refused (now or before)."""
         if t.id in self.rejected:
             return False
-        return t.id in self.store or self._register(t)
+        if t.id in self.store:
+            return True
+        if self._load(t.id):         # loaded, or refused: never registered afresh over a checkpoint
+            return t.id not in self.rejected
+        return self._register(t)
+
+    def _load(self, tenant: str) -> bool:
+        """Load `tenant`'s newest checkpoint into the store; False when it has none. One that
+        cannot be read or does not fit is refused (logged, not retried; True): training it from
+        scratch would train its data again."""
+        try:
+            st = self.checkpoints.load(tenant_checkpoint(tenant))
+            if st is None:
+                return False
+            self.publisher.clean_partial(tenant)
+            self.store.put(st)
+        except (CheckpointError, AdapterCapacityError) as e:
+            cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
+            log.error("tenant %s will not train: its checkpoint cannot be loaded: %s%s", tenant, e, cause)
+            self.rejected.add(tenant)
+            return True     # not registered afresh
+        log.info("tenant %s: resuming from its checkpoint at step %d (cursor %d)", tenant, st.step, st.cursor)
+        return True
+
+    def drop(self, tenant: str) -> None:
+        """Forget `tenant` unsaved (its lease went to another learner, or is handed back after its
+        checkpoint): its state leaves memory and the device, and its loop record is cleared, so
+        that it is loaded from the newest checkpoint if this learner takes it again."""
+        if self.fused is not None and (i := self.fused.slots.slot_of(tenant)) is not None:
+            self.fused.slots.evict(i, self.store)
+        if tenant in self.store:
+            self.store.remove(tenant)
+        self.tenants.pop(tenant, None)
+        self.rejected.discard(tenant)
 
     def _register(self, t) -> bool:
         """Register a tenant that has no checkpoint; False (logged, not retried) when it cannot
@@ -117,8 +153,11 @@ class TenantLifecycle:
             self.fused.flush([tenant])
 
     def checkpoint(self, tenant: str) -> None:
+        """Save `tenant`'s state under its lease (`FencedOut` when another learner took it)."""
         self.sync(tenant)
-        save_checkpoint(self.s.checkpoints_dir, self.store.state(tenant), self.store.layout.numel)
+        fence = self.fence(tenant)
+        self.checkpoints.save(tenant_checkpoint(tenant), self.store.state(tenant),
+                              fence.token if fence is not None else 0)
         self.tenants[tenant].dirty = False
 
     # --- replacing what it trains on ----------------------------------------------------------
@@ -130,7 +169,16 @@ class TenantLifecycle:
         st = self.store.peek(tid)
         ours = st.last_published_version
         live = self.registry.live_version(tid)
-        if live is None or ours is None or live == ours:
+        if live is None or live == ours:
+            return
+        if self._own_candidate(tid, st, live):
+            st.last_published_version = live
+            st.feedback_window = st.lineage = None     # as the publish would have left them
+            self.tenants[tid].dirty = True
+            log.info("%s's live v%d was published from this state before its learner could checkpoint again: "
+                     "adopted", tid, live)
+            return
+        if ours is None:
             return
         try:
             self.restore_weights(tid, self.publisher.weights(tid, live), live)
@@ -139,6 +187,15 @@ class TenantLifecycle:
         except AdapterFormatError as e:
             st.last_published_version = live  # not asked again: trains on from its own weights
             log.error("%s's live v%d is unreadable (%s); training on from its own weights", tid, live, e)
+
+    def _own_candidate(self, tid: str, st: AdapterState, live: int) -> bool:
+        """Whether live version `live` was published from exactly `st`: the publish gate
+        checkpoints a candidate before publishing it, so a learner that died between the publish
+        and its next checkpoint leaves a state whose step, examples seen and parent match the
+        version it published."""
+        meta = next((v for v in self.registry.adapter_versions(tid) if v.version == live), None)
+        return (meta is not None and meta.source is None and meta.imported_from is None and meta.step == st.step
+                and meta.examples_seen == st.examples_seen and meta.parent_version == st.last_published_version)
 
     def restore_weights(self, tenant: str, flat: torch.Tensor, version: int) -> None:
         """Train on from `flat` (a published version's weights): the master weights are replaced

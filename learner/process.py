@@ -10,13 +10,33 @@ asks the scheduler for up to `fused_max_tenants` tenants and trains them all in 
 step (`clora.learner.fused`); a fused tenant is written back to the store before it is
 evaluated, published or checkpointed.
 
-The loop composes the parts, each in its own module: `lifecycle` (register, restore,
-checkpoint, follow the live version), `sampling` (batches, flat RL batches), `backoff` (failed
+Several learners share the tenants (`leases`): each tick first renews this learner's leases,
+takes free ones up to its fair share and hands back those beyond it; a tenant trains only on
+the learner that holds its lease, which is checked again before each step and (through every
+checkpoint and registry write: `clora.fencing`) before each publish. A tenant whose lease is lost
+is dropped from memory at once, unsaved (`FencedOut` anywhere in its work means the same); its
+new holder resumes from the newest checkpoint.
+
+The invariant that makes a takeover lose nothing and train nothing twice: a version is
+published only after a checkpoint of exactly its weights, with the cursor past every example
+those weights trained on, was written under the publisher's lease (`gate`: checkpoint, then
+publish, then checkpoint again with the version recorded). A successor resumes from the newest
+checkpoint of the newest lease, so every published version's examples are behind the cursor it
+resumes from (never trained again as new), and every example past that cursor was trained only
+into weights that died with the old holder, unpublished (it is trained again, once, into the
+weights that live on). A version published after that checkpoint, whose own checkpoint the old
+holder did not live to write, is recognised as the state's own and adopted
+(`TenantLifecycle.follow_live`).
+
+The loop composes the parts, each in its own module: `lifecycle` (register, load, drop,
+checkpoint, follow the live version), `leases` (who trains which tenant), `ownership` (acting on
+leases gained, lost and handed back), `sampling` (batches, flat RL batches), `backoff` (failed
 steps), `gate` (evaluate and publish), `rollback` (the reward guard), and `tenant` (the
 loop's record of each tenant).
 
 Run: `main(LearnerSettings(), kafka_bootstrap="host:9092", redis_url="redis://host:6379/0")`
-until SIGTERM/SIGINT. Tests build a `Learner` directly with fakes.
+until SIGTERM/SIGINT. Tests build a `Learner` directly with fakes (without `leases`, it is the
+sole learner and holds every tenant).
 """
 
 from __future__ import annotations
@@ -29,6 +49,8 @@ from typing import Callable
 
 import torch
 
+from clora.checkpoint_storage import CheckpointStorage, LocalCheckpoints, open_checkpoint_storage
+from clora.fencing import FencedOut
 from clora.freshness import VersionLineage
 from clora.ingest.schemas import AdapterEvent
 from clora.procs import Heartbeat
@@ -36,13 +58,16 @@ from clora.storage import AdapterStorage, StorageSettings, open_storage
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
 from clora.learner.batches import ChatEncoder
-from clora.learner.external import ExternalWork, metric_label
+from clora.learner.checkpoint import Checkpoints
+from clora.learner.external import ExternalWork, metric_label, owner
 from clora.learner.fused import FusedTrainer, TenantWork
 from clora.learner.gate import PublishGate
+from clora.learner.leases import Leases, RedisLeases, SoleLearner
 from clora.learner.lifecycle import TenantLifecycle
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.metrics import LearnerMetrics, append_history
-from clora.learner.publish import Publisher
+from clora.learner.ownership import Ownership
+from clora.learner.publish import CanaryProbe, Publisher
 from clora.learner.rollback import RewardRollback
 from clora.learner.sampling import BatchSeen, BufferLike, Draw, Sampler
 from clora.learner.scheduler import Scheduler, TenantView
@@ -62,8 +87,12 @@ MIXED_POLICY_FIELDS = {"unpaired", "kto_beta", "kto_desirable_weight", "kto_unde
 class Learner:
     def __init__(self, settings: LearnerSettings, model, tokenizer, *, registry, buffer: BufferLike,
                  announce: Callable[[AdapterEvent], None], base_model_name: str,
-                 metrics: LearnerMetrics | None = None, device: str = "cpu", storage: AdapterStorage | None = None):
+                 metrics: LearnerMetrics | None = None, device: str = "cpu", storage: AdapterStorage | None = None,
+                 leases: Leases | None = None, checkpoints: CheckpointStorage | None = None):
+        """`leases`: how the tenants are shared with other learners (None: this one holds them
+        all). `checkpoints`: where checkpoints live (None: `settings.checkpoints_dir`)."""
         self.s = settings
+        self.leases: Leases = leases if leases is not None else SoleLearner()
         self.registry = registry
         self.buffer = buffer
         self.metrics = metrics or LearnerMetrics()
@@ -79,11 +108,16 @@ class Learner:
                                    max_padding=settings.fused_max_padding)
                       if settings.training_mode == "fused" else None)
         self.publisher = Publisher(settings.adapters_dir, registry, announce, base_model_name, self.model.layout,
-                                   storage=storage)
+                                   storage=storage, fence=self.leases.check,
+                                   canary=CanaryProbe(self.model, tokenizer))
+        self.checkpoints = Checkpoints(checkpoints if checkpoints is not None else
+                                       LocalCheckpoints(settings.checkpoints_dir), self.model.layout.numel)
         self.scheduler = Scheduler(max_wait_s=settings.max_wait_s, metrics=self.metrics, label=metric_label)
         self.tenants: defaultdict[str, LearnerTenant] = defaultdict(LearnerTenant)
         """The loop's record of each tenant, by id (created on first use)."""
-        self.lifecycle = TenantLifecycle(settings, registry, self.store, self.publisher, self.fused, self.tenants)
+        self.lifecycle = TenantLifecycle(settings, registry, self.store, self.publisher, self.fused, self.tenants,
+                                         self.checkpoints, self.leases.check)
+        self.ownership = Ownership(self.leases, self.lifecycle, self.tenants, lambda: self.external)
         self.sampler = Sampler(settings, buffer, self.store, self.scheduler, self.metrics, self.tenants)
         self.failures = StepFailures(self.tenants, self.lifecycle, self.metrics, registry)
         self.gate = PublishGate(settings, self.trainer, buffer, self.publisher, self.lifecycle, self.metrics,
@@ -123,7 +157,7 @@ class Learner:
         try:
             draw = self._draw(tid, registered[tid])
         except Exception as e:  # noqa: BLE001 - one tenant's failure must not stop every tenant's training
-            self.failures.failed([tid], e)
+            self._failed([tid], e)
             return None
         if draw is None:
             return None
@@ -132,9 +166,14 @@ class Learner:
         return tid if self._train_alone(draw, prefetch=prefetch) else None
 
     def _run_external(self, key: str) -> bool:
-        """One unit of external work `key`, charged to it; whether something ran."""
+        """One unit of external work `key`, charged to it, while its tenant's lease holds;
+        whether something ran."""
         try:
+            self.leases.check(owner(key))
             seconds = self.external.run(key)
+        except FencedOut as e:
+            self.ownership.let_go(owner(key), e)
+            seconds = None
         except Exception:  # noqa: BLE001 - as a tenant's failure: the others train on
             log.exception("external work %s failed", key)
             seconds = None
@@ -150,12 +189,13 @@ class Learner:
         if self.fused is not None and (slot := self.fused.slots.slot_of(draw.tenant)) is not None:
             self.fused.slots.evict(slot, self.store)  # its fused copy goes back: the store's is the only one
         try:
+            self.leases.check(draw.tenant)
             result = self.trainer.train_step(draw.tenant, draw.examples, draw.policy, prefetch=prefetch)
             self.metrics.swap_exposed.inc(max(0.0, self.store.stats.exposed_s - self._exposed_seen))
             self._exposed_seen = self.store.stats.exposed_s
             self._after_step(draw, result)
         except Exception as e:  # noqa: BLE001 - one tenant's failure must not stop every tenant's training
-            self.failures.failed([draw.tenant], e)
+            self._failed([draw.tenant], e)
             return False
         return True
 
@@ -177,16 +217,17 @@ class Learner:
                 if (draw := self._draw(tid, registered[tid])) is not None:
                     draws.append(draw)
             except Exception as e:  # noqa: BLE001 - as in `tick`
-                self.failures.failed([tid], e)
+                self._failed([tid], e)
         alone = [d for d in draws if d.policy.algorithm in MIXED]
         draws = [d for d in draws if d.policy.algorithm not in MIXED]
         trained_alone = ran + tuple(d.tenant for d in alone if self._train_alone(d))
+        draws = [d for d in draws if self.ownership.check(d.tenant)]
         if not draws:
             return trained_alone
         try:
             step = self.fused.train_step([TenantWork(d.tenant, d.examples, d.policy) for d in draws])
         except Exception as e:  # noqa: BLE001 - the fused step's tenants wait; the others train on
-            self.failures.failed([d.tenant for d in draws], e)
+            self._failed([d.tenant for d in draws], e)
             return trained_alone
         self.metrics.swap_exposed.inc(step.swap_s)
         results = {r.tenant: r for r in step.results}
@@ -194,13 +235,24 @@ class Learner:
             try:
                 self._after_step(draw, results[draw.tenant])
             except Exception as e:  # noqa: BLE001 - as in `tick`
-                self.failures.failed([draw.tenant], e)
+                self._failed([draw.tenant], e)
         return trained_alone + tuple(r.tenant for r in step.results)
 
+    def _failed(self, tenants: list[str], error: BaseException) -> None:
+        """The work of `tenants` failed: a lost lease lets each go (`FencedOut`); any other
+        error backs them off (`StepFailures`)."""
+        if isinstance(error, FencedOut):
+            for tid in tenants:
+                self.ownership.let_go(tid, error)
+        else:
+            self.failures.failed(tenants, error)
+
     def _open_tick(self) -> tuple[list[TenantView], dict]:
-        """What every tick starts with: the tenants' views and registry tenants (by id), after
-        the reward guard's round (when due) and the flat RL batches consumed."""
-        views, registered = self._views()
+        """What every tick starts with: the lease work, then the tenants' views and registry
+        tenants (by id), after the reward guard's round (when due) and the flat RL batches consumed."""
+        tenants = self.registry.list_tenants()
+        self.ownership.follow([t.id for t in tenants])
+        views, registered = self._views(tenants)
         if self.rollback.round(registered):    # a guard paused or rolled back a tenant: it must not train now
             views, registered = self._views()
         if self.sampler.skip_flat(views, {v.id: self.policy(registered[v.id]) for v in views if v.eligible}):
@@ -209,13 +261,14 @@ class Learner:
             views += self.external.views(registered)
         return views, registered
 
-    def _views(self) -> tuple[list[TenantView], dict]:
-        """What the scheduler knows about each tenant that can train, and the registry tenants
-        by id. A tenant backing off after a failed step, or whose flat RL batch is held for
-        more of its group (`Sampler.flat_cut`), shows as paused."""
+    def _views(self, tenants: list | None = None) -> tuple[list[TenantView], dict]:
+        """What the scheduler knows about each tenant this learner holds and can train, and those
+        registry tenants by id (`tenants`: the registry's, when just read). A tenant backing off
+        after a failed step, or whose flat RL batch is held for more of its group
+        (`Sampler.flat_cut`), shows as paused."""
         views, registered = [], {}
-        for t in self.registry.list_tenants():
-            if not self.lifecycle.admit(t):
+        for t in tenants if tenants is not None else self.registry.list_tenants():
+            if not self.leases.holds(t.id) or not self.lifecycle.admit(t):
                 continue
             p = t.policy
             cursor = self.store.peek(t.id).cursor
@@ -288,13 +341,19 @@ class Learner:
             self.shutdown()
 
     def shutdown(self) -> None:
+        """Checkpoint every tenant trained since its last checkpoint (those whose lease is still
+        ours), then release the leases, so other learners take the tenants at their next tick."""
         if self.fused is not None:
             self.fused.flush()
         self.store.flush()
-        for tenant in sorted(t for t, record in self.tenants.items() if record.dirty):
-            self.lifecycle.checkpoint(tenant)
+        for tenant in sorted(t for t, record in self.tenants.items() if record.dirty and t in self.store):
+            try:
+                self.lifecycle.checkpoint(tenant)
+            except FencedOut as e:
+                log.warning("not checkpointing %s at shutdown: %s", tenant, e)
         if self.external is not None:
             self.external.close()
+        self.leases.close()
         self.store.close()
         log.info("learner stopped")
 
@@ -339,13 +398,18 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
     model, tok = load_base_model(path, dtype=getattr(torch, settings.compute_dtype), device=device)
     client = redis.Redis.from_url(redis_url)
     producer = EventProducer(kafka_bootstrap)
+    storage = StorageSettings()
 
     def announce(event: AdapterEvent) -> None:
         producer.send_sync(TOPIC_ADAPTERS, event.tenant, event.model_dump_json())
 
     learner = Learner(settings, model, tok, registry=Registry(client), buffer=ReplayBuffer(client), announce=announce,
                       base_model_name=base_model_name(settings.base_model, path), metrics=metrics, device=device,
-                      storage=open_storage(StorageSettings(), settings.adapters_dir))   # with S3: adapters_dir caches
+                      storage=open_storage(storage, settings.adapters_dir),   # with S3: adapters_dir caches
+                      leases=RedisLeases(client, settings.instance_id, settings.lease_ttl_s),
+                      checkpoints=open_checkpoint_storage(storage, settings.checkpoints_dir))
+    log.info("learner %s sharing tenants through Redis leases (TTL %.0f s); checkpoints %s", settings.instance_id,
+             settings.lease_ttl_s, "in the S3 store" if storage.backend == "s3" else f"in {settings.checkpoints_dir}")
     if external is not None:
         learner.external = external(learner, client)
     learner.run_forever(stop)

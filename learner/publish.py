@@ -3,18 +3,23 @@ Owns `Publisher` (publish, import, roll back, prune, read weights back) and `Pub
 
 Layout: `<adapters_dir>/<tenant>/v<N>/` holds `adapter_config.json`,
 `adapter_model.safetensors` and `clora_metadata.json` (base model, step, examples seen, eval
-scores, parent version). A version is written under `.tmp-v<N>-<random>` in the same folder,
-fsynced, then handed to the adapter storage (`clora.storage`): the local folder (the default)
-renames it to `v<N>`, so a reader (vLLM, a restarted learner) sees a complete version or none;
+scores, parent version, and, with a `CanaryProbe`, the version's canary: the log-probabilities
+every serving replica must reproduce, `clora.canary`). A version is written under
+`.tmp-v<N>-<random>` in the same folder, fsynced, then handed to the adapter storage
+(`clora.storage`): the local folder (the default) renames it to `v<N>`, so a reader (vLLM, a restarted learner) sees a complete version or none;
 an S3 store uploads its files and then its manifest of checksums, and only then renames it
 into `adapters_dir` (the learner's cache). The registry records the version's URI
 (`AdapterVersion.path`: the folder's path, or `s3://bucket/prefix/<tenant>/v<N>`). A version is
 never overwritten; version numbers only grow (the next one is above every number in the
 registry, on disk AND in the store, so an orphan left by a crash between upload or rename and
-registry write, or a torn upload, is skipped, not reused). Then the version's lineage (the
+registry write, or a torn upload, is skipped, not reused; the registry hands the number out,
+`claim_version`, above every number it handed out before, so two learners never take the same
+one). Then the version's lineage (the
 feedback events first trained in it, `clora.freshness`) is stored, then the version is recorded
 in the registry, made live, and an `AdapterEvent` is announced through the injected
-`announce` callable (a Kafka producer in the learner process, a list in tests). Reading a
+`announce` callable (a Kafka producer in the learner process, a list in tests). Every registry
+write of a publish or a rollback carries the tenant's lease (`fence`, `clora.fencing`): a learner
+that lost the tenant to another gets `FencedOut` and records nothing. Reading a
 version back (`weights`, `rollback`'s check) fetches it through the storage (with S3: into the
 local cache, every checksum verified).
 
@@ -41,11 +46,13 @@ from typing import Callable, Literal, Protocol
 
 import torch
 
+from clora.canary import AdapterCanary
+from clora.fencing import Fence
 from clora.freshness import VersionLineage
 from clora.registry import AdapterVersion
 from clora.storage import AdapterStorage, LocalStorage, StorageIntegrityError, local_versions
 from clora.ingest.schemas import AdapterEvent
-from clora.learner.lora import LoraLayout
+from clora.learner.lora import LoraLayout, LoraModel
 from clora.learner.peft_io import AdapterFormatError, fsync_path, read_adapter, write_adapter
 
 log = logging.getLogger(__name__)
@@ -58,12 +65,15 @@ class PublishError(RuntimeError):
 
 
 class RegistryLike(Protocol):
-    def record_adapter_version(self, tenant_id: str, version: AdapterVersion) -> None: ...
+    def claim_version(self, tenant_id: str, at_least: int, *, fence: Fence | None = None) -> int: ...
+    def record_adapter_version(self, tenant_id: str, version: AdapterVersion, *,
+                               fence: Fence | None = None) -> None: ...
     def adapter_versions(self, tenant_id: str) -> list[AdapterVersion]: ...
     def delete_adapter_versions(self, tenant_id: str, versions: list[int]) -> None: ...
-    def set_live_version(self, tenant_id: str, version: int | None) -> None: ...
+    def set_live_version(self, tenant_id: str, version: int | None, *, fence: Fence | None = None) -> None: ...
     def live_version(self, tenant_id: str) -> int | None: ...
-    def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage) -> None: ...
+    def record_lineage(self, tenant_id: str, version: int, lineage: VersionLineage, *,
+                       fence: Fence | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,13 @@ class PublishedWeights:
 
 class Publisher:
     def __init__(self, adapters_dir: Path | str, registry: RegistryLike, announce: Callable[[AdapterEvent], None],
-                 base_model: str, layout: LoraLayout, *, storage: AdapterStorage | None = None):
+                 base_model: str, layout: LoraLayout, *, storage: AdapterStorage | None = None,
+                 fence: Callable[[str], Fence | None] = lambda tenant: None,
+                 canary: Callable[[torch.Tensor], AdapterCanary] | None = None):
+        self.canary = canary
+        """Computes each version's canary from its flat weights (`CanaryProbe`); None: versions carry none."""
+        self.fence = fence
+        """The tenant's lease every registry write presents (`Leases.check`: `FencedOut` once lost)."""
         self.storage = storage if storage is not None else LocalStorage(adapters_dir)
         """Where versions are stored; its local folder (`root`) is `adapters_dir`."""
         self.root = self.storage.root
@@ -150,14 +166,16 @@ class Publisher:
         recording it (no live change, no announcement). `source`, `tinker_path`: who made it
         (`AdapterVersion.source`: "tinker" for a Tinker run's sampler weights) and the path the
         Tinker SDK knows it by."""
-        version = self.next_version(tenant)
+        fence = self.fence(tenant)
+        version = self.registry.claim_version(tenant, self.next_version(tenant), fence=fence)
         d = self.tenant_dir(tenant)
         d.mkdir(parents=True, exist_ok=True)
         uri, tmp = self.storage.uri(tenant, version), d / f".tmp-v{version}-{uuid.uuid4().hex[:8]}"
         meta = AdapterVersion(version=version, path=uri, base_model=self.base_model,
                               parent_version=parent_version, step=step, examples_seen=examples_seen,
                               eval_scores=eval_scores, feedback_window=feedback_window,
-                              imported_from=imported_from, source=source, tinker_path=tinker_path)
+                              imported_from=imported_from, source=source, tinker_path=tinker_path,
+                              canary=self._canary(tenant, version, flat))
         try:
             tmp.mkdir()
             write_adapter(tmp, self.layout, flat, self.base_model)
@@ -169,15 +187,26 @@ class Publisher:
             shutil.rmtree(tmp, ignore_errors=True)
             raise PublishError(f"publishing {tenant} v{version} to {uri} failed") from e
         if lineage is not None and lineage.events:
-            self.registry.record_lineage(tenant, version, lineage)
-        self.registry.record_adapter_version(tenant, meta)
+            self.registry.record_lineage(tenant, version, lineage, fence=fence)
+        self.registry.record_adapter_version(tenant, meta, fence=fence)
         if not make_live:
             return meta
-        self.registry.set_live_version(tenant, version)
+        self.registry.set_live_version(tenant, version, fence=fence)
         self._announce(AdapterEvent(tenant=tenant, action="published", version=version, path=meta.path,
                                     base_model=self.base_model, parent_version=parent_version,
                                     metrics={k: float(v) for k, v in eval_scores.items()}))
         return meta
+
+    def _canary(self, tenant: str, version: int, flat: torch.Tensor) -> AdapterCanary | None:
+        """The version's canary; None (serving then only checks that the adapter changes the
+        base's answer) when there is no probe or it failed: a canary must not cost a publish."""
+        if self.canary is None:
+            return None
+        try:
+            return self.canary(flat)
+        except Exception as e:  # noqa: BLE001 - whatever the forward raised, the version stands
+            log.warning("no canary for %s v%d: %s", tenant, version, e)
+            return None
 
     def _announce(self, event: AdapterEvent) -> None:
         """Best effort: the registry already holds the change, and serving polls it; the event
@@ -211,7 +240,7 @@ class Publisher:
             raise PublishError(f"{tenant} has no recorded version v{to_version} (known: {sorted(versions)})")
         target = versions[to_version]
         self._read(target.path)  # refuse to make a missing/broken version live
-        self.registry.set_live_version(tenant, to_version)
+        self.registry.set_live_version(tenant, to_version, fence=self.fence(tenant))
         self._announce(AdapterEvent(tenant=tenant, action="rolled_back", version=to_version, path=target.path,
                                     base_model=self.base_model, parent_version=target.parent_version,
                                     metrics={"rolled_back_from": float(live) if live is not None else -1.0}))
@@ -237,6 +266,51 @@ class Publisher:
         except StorageIntegrityError as e:
             raise AdapterFormatError(f"fetching the adapter at {uri} failed: {e}") from e
         return read_adapter(folder, self.layout)
+
+
+CANARY_MESSAGES = ({"role": "user", "content": "Name the three primary colours of paint."},
+                   {"role": "assistant", "content": "Red, yellow and blue."})
+"""The exchange each version's canary scores: a general one, which every tenant's adapter changes."""
+CANARY_MAX_TOKENS = 64
+
+
+class CanaryProbe:
+    """Computes a version's canary (`clora.canary.AdapterCanary`) with the learner's own model:
+    the log-probability of each token of `CANARY_MESSAGES` (chat template applied, at most
+    `CANARY_MAX_TOKENS`) with the version's flat weights bound in fp32, and with the adapter
+    disabled. Two forwards over a few dozen tokens; the model's bound tenant, its modules'
+    train/eval modes and any fused multi-tenant binding are left as they were."""
+
+    def __init__(self, model: LoraModel, tokenizer):
+        text = tokenizer.apply_chat_template(list(CANARY_MESSAGES), tokenize=False)
+        self.prompt: list[int] = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:CANARY_MAX_TOKENS]
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, flat: torch.Tensor) -> AdapterCanary:
+        model = self.model
+        weight = next(model.model.parameters())
+        ids = torch.tensor([self.prompt], device=weight.device)                   # (1, T)
+        bound, fused, modes = model.bank.params, model.bank.fused, [(m, m.training) for m in model.modules()]
+        model.eval()
+        model.bank.fused = None                                                   # this version alone
+        try:
+            model.bind(model.layout.views(flat.detach().to(weight.device, torch.float32)))
+            adapter = self._logprobs(ids)
+            with model.adapter_disabled():
+                base = self._logprobs(ids)
+        finally:
+            model.bind(bound)
+            model.bank.fused = fused
+            for m, training in modes:
+                m.training = training
+        return AdapterCanary(prompt_token_ids=self.prompt, logprobs=adapter, base_logprobs=base,
+                             dtype=str(weight.dtype).removeprefix("torch."))
+
+    def _logprobs(self, ids: torch.Tensor) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1 under the model as bound now."""
+        logits = self.model(ids)[0, :-1].float()                                  # (T-1, V)
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
 
 def read_metadata(folder: Path) -> AdapterVersion:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
+from clora.learner.leases import default_learner_id
 from clora.learner.lora import DEFAULT_TARGETS
 from clora.settings import settings_config
 
@@ -24,6 +25,18 @@ class LearnerSettings(BaseSettings):
     S3 store (`CLORA_STORAGE_BACKEND=s3`, `clora.storage`) this is the learner's local cache of
     the versions, which live in the store."""
     checkpoints_dir: Path = Path(".clora/learner/checkpoints")
+    """Training-state checkpoints (`clora.checkpoint_storage`). With the S3 store
+    (`CLORA_STORAGE_BACKEND=s3`) they live in the store, shared by every learner, and this folder
+    only holds files on their way; with the local backend they live here, so learners on several
+    hosts must mount it as one shared file system."""
+    instance_id: str = Field(default_factory=default_learner_id, pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")
+    """This learner's id among the learners sharing the tenants (`clora.learner.leases`): unique
+    per process. Default `<hostname>-<pid>`."""
+    lease_ttl_s: float = Field(default=15.0, ge=1, le=3600)
+    """How long a tenant's lease outlives its holder's last renewal (every tick, and before each
+    step, checkpoint and publish). A learner killed with -9 hands its tenants over within this +
+    one tick of the others. Keep it above the longest tick (a step with its gate and publish):
+    a lease that lapses mid-step costs that step."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:1`, ..."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -95,6 +108,13 @@ class LearnerSettings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     """`CLORA_LEARNER_METRICS_HOST`: the address the Prometheus endpoint binds (`0.0.0.0` for a
     scraper outside the container or host; the metrics name tenants, so keep it off public networks)."""
+
+    @model_validator(mode="after")
+    def _lease_outlives_idle_ticks(self) -> "LearnerSettings":
+        if self.lease_ttl_s < 3 * self.idle_sleep_s:
+            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s:g}) must be at least 3 x idle_sleep_s "
+                             f"({self.idle_sleep_s:g}): an idle learner renews its leases once per tick")
+        return self
 
     @model_validator(mode="after")
     def _dtype_on_cpu(self) -> "LearnerSettings":

@@ -11,9 +11,10 @@ live LoRA adapter version.
 | `tinker_sampling` | the Tinker training API's token-level sampling route: request, upstream body, answer |
 | `aliases`       | `AdapterRef` (one immutable version) and the tenant -> live version table |
 | `hotswap`       | keeping each tenant's alias on the registry's live version (load, switch, drain, unload) |
-| `engine`        | the replicas behind the gateway: routing, on-demand loading, eviction, restarts |
-| `replica`       | one vLLM server process and the HTTP calls made to it |
-| `residency`     | registered vs resident adapters of one replica (LRU, pins) |
+| `engine`        | the replicas behind the gateway, local and remote: routing, verified loading, eviction, restarts |
+| `replica`       | one vLLM server, a local child process or a remote URL, and the HTTP calls made to it |
+| `canary`        | verifying a freshly loaded adapter on a replica with its version's canary (`clora.canary`) |
+| `residency`     | registered vs resident adapters of one replica (LRU, pins), and the adapters it refused |
 | `quota`         | per-tenant concurrency (requests, sequences, pinned versions) and rate limits (429) |
 | `record_quota`  | per-tenant byte quota on recorded messages and tools (429) |
 | `quota_store`   | where both quotas count: Redis, shared by every gateway, or local; the fallback when Redis fails |

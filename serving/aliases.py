@@ -9,9 +9,11 @@ it until it finishes, so in-flight requests stay on the version they started wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from clora.canary import AdapterCanary
 from clora.ids import served_name
+from clora.registry import AdapterVersion
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,13 @@ class AdapterRef:
     tenant: str
     version: int
     path: str
+    canary: AdapterCanary | None = field(default=None, compare=False, repr=False)
+    """What each replica must answer once it loaded this version (`clora.canary`); None: none published."""
+
+    @classmethod
+    def of(cls, tenant: str, av: AdapterVersion) -> "AdapterRef":
+        """The ref of a version the registry recorded."""
+        return cls(tenant, av.version, av.path, av.canary)
 
     @property
     def name(self) -> str:

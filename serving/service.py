@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 
@@ -134,11 +136,13 @@ class ServingService:
         listener = exporter = None
         quota_store = QuotaStore.connect(self.redis_url, lease_s=gs.quota_lease_s, timeout_s=gs.quota_store_timeout_s,
                                          retry_s=gs.quota_store_retry_s, metrics=metrics) if gs.shared_quotas else None
+        reporter: asyncio.Task | None = None
         try:
             exporter = self._export(metrics)
             await engine.start()
             swapper.start()
             rollup.start()
+            reporter = asyncio.create_task(report_engine(registry, engine, gs.engine_report_s), name="engine-report")
             if self.listen_adapter_events:
                 listener = AdapterEventListener(self.kafka_bootstrap, swapper, self.loop)
                 listener.start()
@@ -162,6 +166,8 @@ class ServingService:
             raise
         finally:
             self._ready.set()
+            if reporter is not None:
+                reporter.cancel()
             if exporter is not None:
                 exporter.shutdown()
             if listener is not None:
@@ -186,6 +192,18 @@ class ServingService:
             return None
         self.metrics_port = server.server_port
         return server
+
+
+async def report_engine(registry: Registry, engine: EngineManager, every_s: float) -> None:
+    """Write this gateway's view of its replicas (`EngineManager.report`) to the registry every
+    `every_s` for the console, until cancelled; a Redis outage only skips reports."""
+    gateway = f"{socket.gethostname()}:{os.getpid()}"
+    while True:
+        try:
+            await asyncio.to_thread(registry.report_engine, gateway, engine.report(), stale_s=6 * every_s)
+        except redis.RedisError as e:
+            log.warning("reporting the engine's replicas to the registry failed (retrying): %s", e)
+        await asyncio.sleep(every_s)
 
 
 def run_serving(engine: EngineSettings, gateway: GatewaySettings, kafka_bootstrap: str, redis_url: str,

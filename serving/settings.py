@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
 from clora.settings import settings_config
@@ -26,8 +27,18 @@ class EngineSettings(BaseSettings):
     """Name clients use for the base model (vLLM `--served-model-name`)."""
     host: str = "127.0.0.1"
     """`CLORA_ENGINE_HOST`: the address the local vLLM replicas bind, and the gateway reaches them at."""
-    ports: list[int] = Field(default_factory=lambda: [8100], min_length=1)
-    """One vLLM replica per port."""
+    ports: list[int] = Field(default_factory=lambda: [8100])
+    """One local vLLM replica (a child process the engine manager starts and restarts) per port.
+    Default: [8100], or none when `remote_urls` are set; [] starts none."""
+    remote_urls: list[str] = Field(default_factory=list)
+    """`CLORA_ENGINE_REMOTE_URLS`, a JSON list: vLLM servers started elsewhere (GPU `vllm serve`
+    with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), attached by base URL, e.g.
+    `["http://vllm-0.vllm:8000"]`. Never started or restarted here: one that fails its health check
+    leaves rotation and comes back when it answers again. Each must see adapter folders at the
+    paths the gateway loads them from (`CLORA_STORAGE_CACHE_DIR` on a shared volume)."""
+    remote_api_key: SecretStr | None = None
+    """`CLORA_ENGINE_REMOTE_API_KEY`: sent as `Authorization: Bearer` to every remote replica (their
+    `VLLM_API_KEY`). Local replicas get a key generated per run."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """float32 on CPU: bf16 LoRA output drifts from PEFT."""
     max_loras: int = Field(default=4, ge=1, le=256)
@@ -65,13 +76,48 @@ class EngineSettings(BaseSettings):
     hang_timeout_s: float = Field(default=60.0, gt=0)
     """A live replica that has not answered a health check for this long is restarted."""
     restart: bool = True
-    """Restart a replica that died or stopped answering health checks."""
+    """Restart a local replica that died or stopped answering health checks."""
+    resident_slack: int = Field(default=4, ge=0)
+    """Routing: a request goes to a replica where its adapter is resident unless that replica has
+    this many more requests in flight than the least loaded one (which then loads it)."""
+    adapter_retry_s: float = Field(default=30.0, gt=0)
+    """A replica that failed to load a version, or whose canary (`clora.canary`) did not match,
+    is out of rotation for that version for this long, doubling with each failure up to
+    `adapter_retry_max_s`; then the next request or hot swap tries it again."""
+    adapter_retry_max_s: float = Field(default=600.0, gt=0)
+    canary_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest a canary request (one token, the prompt's log-probabilities) may take."""
     log_dir: Path = Path(".clora/logs")
 
+    @property
+    def replica_count(self) -> int:
+        """Local and remote replicas together."""
+        return len(self.ports) + len(self.remote_urls)
+
+    @field_validator("remote_urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        out = []
+        for url in urls:
+            parsed = urlsplit(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/"):
+                raise ValueError(f"{url!r} is not a vLLM server's base URL (http(s)://host:port, no path)")
+            out.append(url.rstrip("/"))
+        if len(set(out)) != len(out):
+            raise ValueError(f"a remote replica is listed twice: {urls}")
+        return out
+
     @model_validator(mode="after")
-    def _cpu_loras_cover_batch(self) -> "EngineSettings":
+    def _replicas(self) -> "EngineSettings":
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if "ports" not in self.model_fields_set and self.remote_urls:
+            self.ports = []          # remote replicas only, unless local ones are asked for too
+        if not self.replica_count:
+            raise ValueError("no engine replica: ports is empty and remote_urls lists none")
+        if self.adapter_retry_max_s < self.adapter_retry_s:
+            raise ValueError(f"adapter_retry_max_s ({self.adapter_retry_max_s}) must be >= adapter_retry_s "
+                             f"({self.adapter_retry_s})")
         return self
 
 
@@ -152,6 +198,9 @@ class GatewaySettings(BaseSettings):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     adapter_wait_s: float = Field(default=30.0, gt=0)
     """Longest a request waits for an engine slot when every resident adapter is busy."""
+    engine_report_s: float = Field(default=5.0, gt=0)
+    """How often the gateway writes its replicas' state (health, resident adapters, adapters out
+    of rotation and why) to the registry, where the console reads it."""
     freshness_tenant_labels: int = Field(default=100, ge=1)
     """Tenants the `clora_feedback_to_served_seconds` histogram names, the first observed first;
     every later tenant's observations share the label `_other`, which bounds its series."""
@@ -185,11 +234,11 @@ class TenantLimits:
 def tenant_limits(engine: EngineSettings, gateway: GatewaySettings) -> TenantLimits:
     """Derive a tenant's caps from the engine it shares; raises ValueError when its share of
     the engine's sequence slots is less than one sequence."""
-    slots = len(engine.ports) * engine.max_num_seqs
+    slots = engine.replica_count * engine.max_num_seqs
     sequences = int(slots * gateway.tenant_engine_share)
     if sequences < 1:
         raise ValueError(f"tenant_engine_share {gateway.tenant_engine_share} of the engine's {slots} sequence slots "
-                         f"({len(engine.ports)} replicas x max_num_seqs {engine.max_num_seqs}) leaves a tenant no "
+                         f"({engine.replica_count} replicas x max_num_seqs {engine.max_num_seqs}) leaves a tenant no "
                          "sequence")
     return TenantLimits(sequences=sequences, requests=min(gateway.tenant_concurrency, sequences),
                         n=min(gateway.max_n, sequences), max_tokens=min(gateway.max_tokens_limit, engine.max_model_len))

@@ -19,6 +19,12 @@ killed mid-request runs it again after its restart. What must not happen twice o
   some (the run's `grad_pending` flag was up), the next `optim_step` fails with a clear error,
   drops whatever gradient was gathered since, and applies nothing: no step from half a batch.
   The client runs `forward_backward` again and steps.
+- **Leases.** A run follows its tenant's lease (`clora.learner.leases`): it is scheduled only on
+  the learner that holds the tenant, its checkpoints are written under the tenant's fencing
+  token into the learner's checkpoint storage (`tinker/<run>`; shared across hosts with the S3
+  store), and a learner that loses or takes the tenant forgets the run's state and its count of
+  finished requests (`drop`), so that they are read again from the checkpoint and the queue. A
+  request whose checkpoint is refused (`FencedOut`) is not finished: the new holder runs it.
 - **Saved weights** are written to a temporary folder and renamed (`weights.CheckpointDir`); a
   sampler checkpoint's published version is found again by its path (or its sampling session,
   for the ephemeral form) rather than published twice.
@@ -34,9 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clora.fencing import FencedOut
 from clora.ids import served_name
 from clora.learner.adapter_store import GRAD
-from clora.learner.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from clora.learner.checkpoint import run_checkpoint
 from clora.learner.scheduler import TenantView
 from clora.trainapi import queue
 from clora.trainapi.backend import AdamParams, InProcessBackend
@@ -82,7 +89,6 @@ class TinkerWork:
         self.store = learner.store
         self.backend = InProcessBackend(learner.trainer)
         self.checkpoints = CheckpointDir(settings.checkpoints_dir)
-        self.state_dir = Path(learner.s.checkpoints_dir) / "tinker"
         self.runs: dict[str, RunRecord] = {}
         self.restore()
         queue.publish_caps(self.r, dataclasses.asdict(self.backend.capabilities()))
@@ -109,6 +115,13 @@ class TinkerWork:
     def close(self) -> None:
         """Nothing to do: every state change was checkpointed when it was answered."""
 
+    def drop(self, tenant: str) -> None:
+        """Forget `tenant`'s runs (their state and finished counts are read again when needed)."""
+        for key in [k for k, rec in self.runs.items() if rec.tenant == tenant]:
+            if key in self.store:
+                self.store.remove(key)
+            del self.runs[key]
+
     # --- restoring ---------------------------------------------------------------------------
 
     def _discover(self) -> None:
@@ -129,11 +142,10 @@ class TinkerWork:
         A gradient gathered before the state left memory is lost: the run is marked."""
         if key in self.store:
             return True
-        path = checkpoint_path(self.state_dir, _file_name(key))
-        if not path.exists():
+        state = self.learner.checkpoints.load(run_checkpoint(_file_name(key)))
+        if state is None:
             return False
         self._make_room(key)
-        state = load_checkpoint(path, self.store.layout.numel)
         self.store.put(dataclasses.replace(state, tenant=key))
         _, self.runs[key].grad_lost = queue.run_meta(self.r, key)
         return True
@@ -157,9 +169,13 @@ class TinkerWork:
                 self.evict(key, f"idle for {self.settings.run_idle_s:.0f} s")
 
     def _checkpoint(self, key: str, applied: int) -> None:
+        """Checkpoint `key`'s state with `applied` requests in it, under its tenant's lease."""
         state = self.store.state(key)
         state.cursor = applied
-        save_checkpoint(self.state_dir, dataclasses.replace(state, tenant=_file_name(key)), self.store.layout.numel)
+        fence = self.learner.leases.check(self.runs[key].tenant)
+        name = _file_name(key)
+        self.learner.checkpoints.save(run_checkpoint(name), dataclasses.replace(state, tenant=name),
+                                      fence.token if fence is not None else 0)
 
     # --- running a request -------------------------------------------------------------------
 
@@ -181,6 +197,8 @@ class TinkerWork:
             raw, js = result if isinstance(result, tuple) else (None, result)
             queue.finish(self.r, key, job.request_id, self.settings.future_ttl_s, result=raw, result_json=js,
                          grad_pending=grad_pending)
+        except FencedOut:
+            raise        # another learner holds the tenant now: the request is its to run
         except (RequestError, WireError, FileExistsError, FloatingPointError) as e:
             queue.finish(self.r, key, job.request_id, self.settings.future_ttl_s, error=str(e), category="user",
                          grad_pending=grad_pending)

@@ -93,6 +93,7 @@ async function renderOverview(first) {
   const data = await api("/tenants");
   const dlq = await api("/dlq?n=20");
   const platform = await api("/platform/events?n=20");
+  const engine = await api("/engine");
   const rows = data.tenants.map(t => el("tr", { "data-tenant": t.id },
     el("td", {}, el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), el("div", { class: "muted" }, t.name)),
     el("td", {}, el("span", { class: "pill " + (t.paused ? "paused" : "learning") }, t.paused ? "paused" : "learning"),
@@ -122,6 +123,16 @@ async function renderOverview(first) {
       el("td", {}, fmtTime(e.time)), el("td", {}, e.service),
       el("td", {}, el("span", { class: "pill " + (e.kind === "restarted" ? "learning" : "failing") }, e.kind)),
       el("td", { class: "mono" }, e.detail)))));
+  // every gateway's replicas; a replica out of rotation for an adapter (load or canary failed) says why
+  const replicaRows = engine.gateways.flatMap(g => g.replicas.map(r => el("tr", { class: r.healthy ? "" : "alert", "data-replica": r.url },
+    el("td", {}, g.gateway), el("td", { class: "mono" }, `${r.index} ${r.url}`), el("td", {}, r.kind),
+    el("td", {}, el("span", { class: "pill " + (r.healthy ? "learning" : "failing") }, r.healthy ? "in rotation" : "out")),
+    el("td", {}, String(r.resident.length)), el("td", {}, String(r.in_flight)),
+    el("td", { class: "refused" }, r.refused.map(x => el("div", { class: "pill failing", title: x.detail },
+      `${x.adapter}: ${x.reason} ×${x.failures}` + (x.retry_in_s > 0 ? `, retry in ${Math.round(x.retry_in_s)} s` : "")))))));
+  const engineTable = el("table", { id: "engine" },
+    el("thead", {}, el("tr", {}, ["gateway", "replica", "kind", "state", "resident", "in flight", "out of rotation for"].map(h => el("th", {}, h)))),
+    el("tbody", {}, replicaRows));
   if (first) {
     const form = el("form", { id: "create-tenant", class: "inline", onsubmit: createTenant },
       el("label", {}, "tenant id", el("input", { name: "id", required: true, pattern: "[a-z0-9][a-z0-9_-]*" })),
@@ -131,6 +142,7 @@ async function renderOverview(first) {
       el("div", { id: "alerts-slot" }),
       el("section", { class: "card" }, el("h2", {}, "Tenants"), el("div", { id: "tenants-slot" })),
       el("section", { class: "card" }, el("h2", {}, "New tenant"), form, el("div", { id: "new-key" })),
+      el("section", { class: "card" }, el("h2", {}, "Engine replicas"), el("div", { id: "engine-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Dead letters"), el("div", { id: "dlq-slot" })),
       el("section", { class: "card" }, el("h2", {}, "Platform events"), el("div", { id: "events-slot" })));
   }
@@ -140,6 +152,7 @@ async function renderOverview(first) {
   document.getElementById("alerts-slot").replaceChildren(...(alerted.length ? [el("section", { class: "card alert", id: "alerts" },
     el("h2", {}, "Alerts"), ...alerted.map(t => el("p", { class: "error" },
       el("a", { href: "#/tenant/" + encodeURIComponent(t.id) }, t.id), ": paused, " + t.paused_reason)))] : []));
+  document.getElementById("engine-slot").replaceChildren(engineTable);
   document.getElementById("dlq-slot").replaceChildren(dlqTable);
   document.getElementById("events-slot").replaceChildren(eventsTable);
 }

@@ -95,6 +95,22 @@ def test_the_overview_shows_what_the_supervisor_did(page, redis_client):
     shot(page, "platform-events")
 
 
+def test_the_overview_shows_a_replica_out_of_rotation_for_an_adapter_and_why(page, registry):
+    url = f"http://vllm-{time.time_ns()}.vllm:8000"
+    detail = "the adapter answers 0.42 nats/token from the version's canary (tolerance 0.01): another adapter?"
+    registry.report_engine("gw-browser", [{"index": 1, "url": url, "kind": "remote", "healthy": True, "restarts": 0,
+                                           "in_flight": 0, "resident": ["beta@v1"], "load_failures": {},
+                                           "refused": [{"adapter": "acme@v3", "reason": "canary_mismatch",
+                                                        "detail": detail, "failures": 1, "retry_in_s": 29.0}]}],
+                           stale_s=600)
+    page.reload()
+    row = page.wait_for_selector(f"#engine tr[data-replica='{url}']")
+    pill = row.query_selector(".refused .pill.failing")
+    assert pill.inner_text().startswith("acme@v3: canary_mismatch") and pill.get_attribute("title") == detail
+    assert "remote" in row.inner_text() and "in rotation" in row.inner_text()
+    shot(page, "engine")
+
+
 def test_feedback_grows_the_buffer(page, stack, registry, webhook, ingest_worker, tenant_id):
     _, key = registry.create_tenant(tenant_id, name="Growth")
     page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")

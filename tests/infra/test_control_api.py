@@ -22,7 +22,7 @@ ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenan
           ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers"),
           ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events"), ("GET", "/api/tenants/x/freshness"),
           ("POST", "/api/tenants/x/tinker-keys"), ("GET", "/api/tenants/x/tinker-keys"),
-          ("DELETE", "/api/tenants/x/tinker-keys/k")]
+          ("DELETE", "/api/tenants/x/tinker-keys/k"), ("GET", "/api/engine")]
 
 
 def admin(console) -> dict[str, str]:
@@ -308,3 +308,22 @@ def test_platform_events_list_what_the_supervisor_did_newest_first(console, redi
     for n in ("0", "-5", str(10**9)):  # clamped, never an error
         assert httpx.get(f"{console.url}/api/platform/events?n={n}", headers=admin(console)).status_code == 200
     assert httpx.get(f"{console.url}/api/platform/events?n=x", headers=admin(console)).status_code == 422
+
+
+def test_the_engine_view_lists_each_gateways_replicas_and_what_they_refused(console, registry):
+    """A gateway's report (`EngineManager.report`, written every few seconds) reaches the console:
+    a replica out of rotation for an adapter whose canary failed says so, with the reason."""
+    import uuid
+
+    gateway = f"gw-{uuid.uuid4().hex[:6]}"
+    refused = {"adapter": "acme@v3", "reason": "canary_mismatch", "detail": "the adapter answers 0.42 nats/token "
+               "from the version's canary", "failures": 1, "retry_in_s": 29.0}
+    registry.report_engine(gateway, [{"index": 0, "url": "http://vllm-0.vllm:8000", "kind": "remote", "healthy": True,
+                                      "restarts": 0, "in_flight": 0, "resident": ["beta@v1"], "refused": [refused],
+                                      "load_failures": {"canary_mismatch": 1}}], stale_s=60)
+    gateways = httpx.get(f"{console.url}/api/engine", headers=admin(console)).json()["gateways"]
+    reports = {g["gateway"]: g for g in gateways}
+    assert reports[gateway]["replicas"][0]["refused"] == [refused]
+    registry.report_engine(gateway + "-other", [], stale_s=-1)      # every report is stale now: forgotten
+    assert gateway not in {g["gateway"] for g in
+                           httpx.get(f"{console.url}/api/engine", headers=admin(console)).json()["gateways"]}

@@ -33,7 +33,7 @@ OPERATIONS = [
     ("GET", "/api/tenants/{tenant_id}/traffic"), ("GET", "/api/dlq"), ("POST", "/api/dlq/{event_id}/replay"),
     ("GET", "/api/platform/events"), ("GET", "/api/tenants/{tenant_id}/freshness"),
     ("POST", "/api/tenants/{tenant_id}/tinker-keys"), ("GET", "/api/tenants/{tenant_id}/tinker-keys"),
-    ("DELETE", "/api/tenants/{tenant_id}/tinker-keys/{key_id}"),
+    ("DELETE", "/api/tenants/{tenant_id}/tinker-keys/{key_id}"), ("GET", "/api/engine"),
 ]
 """Every operation of the control API's schema (`test_every_operation_is_fuzzed` keeps the list whole)."""
 

@@ -52,6 +52,7 @@ class FakeRegistry:
         self.history: dict[str, list[dict]] = {}
         self.alerts_by_tenant: dict[str, list] = {}
         self.lineages: dict[str, dict[int, object]] = {}
+        self.floors: dict[str, int] = {}
 
     def list_tenants(self):
         return list(self.tenants.values())
@@ -70,7 +71,11 @@ class FakeRegistry:
     def alerts(self, tenant_id, n=20):
         return self.alerts_by_tenant.get(tenant_id, [])[:n]
 
-    def record_adapter_version(self, tenant_id, version):
+    def claim_version(self, tenant_id, at_least, *, fence=None):
+        self.floors[tenant_id] = n = max(self.floors.get(tenant_id, 0) + 1, at_least)
+        return n
+
+    def record_adapter_version(self, tenant_id, version, *, fence=None):
         self.versions.setdefault(tenant_id, {})[version.version] = version
 
     def mark_rolled_back(self, tenant_id, version, note):
@@ -87,13 +92,13 @@ class FakeRegistry:
         for v in versions:
             self.versions.get(tenant_id, {}).pop(v, None)
 
-    def set_live_version(self, tenant_id, version):
+    def set_live_version(self, tenant_id, version, *, fence=None):
         self.live[tenant_id] = version
 
     def live_version(self, tenant_id):
         return self.live.get(tenant_id)
 
-    def record_lineage(self, tenant_id, version, lineage):
+    def record_lineage(self, tenant_id, version, lineage, *, fence=None):
         self.lineages.setdefault(tenant_id, {})[version] = lineage
 
     def lineage(self, tenant_id, version):
@@ -199,6 +204,20 @@ def multi_turn_rl(tenant: str) -> list[RLSample]:
     return [rl(tenant, i, "2+2?", "x", reward, "g", prompt_token_ids=prompt, completion_token_ids=completion,
                behaviour_logprobs=[-0.4 - 0.1 * k for k in range(len(completion))])
             for i, (_, prompt, completion, reward) in enumerate(turns)]
+
+
+def checkpointed(settings: LearnerSettings, tenant: str, numel: int):
+    """`tenant`'s newest checkpoint under `settings.checkpoints_dir` (None: it has none)."""
+    from clora.checkpoint_storage import LocalCheckpoints
+    from clora.learner.checkpoint import Checkpoints, tenant_checkpoint
+
+    return Checkpoints(LocalCheckpoints(settings.checkpoints_dir), numel).load(tenant_checkpoint(tenant))
+
+
+def checkpointed_tenants(settings: LearnerSettings) -> list[str]:
+    """The tenants with a checkpoint under `settings.checkpoints_dir`."""
+    folder = Path(settings.checkpoints_dir) / "tenants"
+    return sorted(p.name for p in folder.iterdir() if any(folder.glob(f"{p.name}/t*"))) if folder.is_dir() else []
 
 
 def learner_world(root: Path) -> tuple[LearnerSettings, "FakeRegistry", "FakeBuffer"]:

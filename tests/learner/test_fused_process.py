@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from clora.learner.adapter_store import MASTER
-from clora.learner.checkpoint import list_checkpoints, load_checkpoint
 from clora.learner.scheduler import Scheduler, TenantView
 from clora.learner.settings import LearnerSettings
 
+from .helpers import checkpointed, checkpointed_tenants
 from .test_process import _learner
 
 
@@ -39,8 +39,9 @@ def test_learner_in_fused_mode_trains_tenants_together_and_publishes(world, tiny
     assert {e.tenant for e in events} == {"acme", "beta"}
     lr.shutdown()
     # the checkpoints hold the fused-trained state, not the stale host copy from before the step
-    for path in list_checkpoints(settings.checkpoints_dir):
-        st = load_checkpoint(path, lr.model.layout.numel)
+    assert checkpointed_tenants(settings) == ["acme", "beta"]
+    for tenant in checkpointed_tenants(settings):
+        st = checkpointed(settings, tenant, lr.model.layout.numel)
         assert st.step == 3
         assert torch.equal(st.buffer[MASTER], lr.fused.slots.master[lr.fused.slots.slot_of(st.tenant)])
 

@@ -8,11 +8,10 @@ import pytest
 
 from clora.registry import LearningPolicy, Tenant
 from clora.learner.base_model import load_base_model
-from clora.learner.checkpoint import checkpoint_path, load_checkpoint
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.process import Learner
 
-from .helpers import sft
+from .helpers import checkpointed, sft
 
 
 def _learner(settings, reg, buf, tiny_model_dir) -> Learner:
@@ -58,13 +57,13 @@ def test_a_restarted_learner_keeps_the_lineage_of_the_version_it_has_not_publish
     settings = settings.model_copy(update={"publish_every": 2})
     first = _learner(settings, reg, buf, tiny_model_dir)
     assert first.tick() == "news" and reg.adapter_versions("news") == []     # step 1: no publish yet
-    pending = load_checkpoint(checkpoint_path(settings.checkpoints_dir, "news"), first.store.layout.numel).lineage
+    pending = checkpointed(settings, "news", first.store.layout.numel).lineage
     assert pending is not None and set(pending.accepted_at) == {f"fb-{i}" for i in range(4)}
 
     second = _learner(settings, reg, buf, tiny_model_dir)                     # the first one crashed
     assert second.tick() == "news"                                            # step 2 publishes v1
     assert reg.lineage("news", 1).accepted_at == {f"fb-{i}": 1000.0 + i for i in range(6)}
-    saved = load_checkpoint(checkpoint_path(settings.checkpoints_dir, "news"), second.store.layout.numel)
+    saved = checkpointed(settings, "news", second.store.layout.numel)
     assert saved.lineage is None and saved.last_published_version == 1
 
 

@@ -10,11 +10,10 @@ import torch
 from clora.registry import LearningPolicy, Tenant
 from clora.learner.backoff import Backoff
 from clora.learner.base_model import load_base_model
-from clora.learner.checkpoint import list_checkpoints
 from clora.learner.metrics import LearnerMetrics
 from clora.learner.process import Learner
 
-from .helpers import rl, sft
+from .helpers import checkpointed_tenants, rl, sft
 
 
 def _learner(world, tiny_model_dir, events, device: str = "cpu"):
@@ -38,7 +37,7 @@ def test_loop_trains_publishes_and_checkpoints(world, tiny_model_dir):
     assert all(v.eval_scores["eval_examples"] == 1.0 for v in acme)
     assert acme[-1].eval_scores["eval_loss"] < acme[0].eval_scores["eval_loss"]
     assert {e.tenant for e in events} == {"acme", "beta"} and all(e.action == "published" for e in events)
-    assert sorted(p.stem for p in list_checkpoints(world[0].checkpoints_dir)) == ["acme", "beta"]
+    assert checkpointed_tenants(world[0]) == ["acme", "beta"]
     m = lr.metrics.registry
     assert m.get_sample_value("clora_learner_steps_total", {"tenant": "acme", "algorithm": "sft"}) == 3
     assert m.get_sample_value("clora_learner_publishes_total", {"tenant": "beta", "outcome": "published"}) >= 1
@@ -231,6 +230,7 @@ def test_resume_after_crash_continues_from_checkpoint_without_reusing_versions(w
     torn.write_bytes(b"\0" * 1024)
     second = _learner(world, tiny_model_dir, events)
     assert not torn.exists()
+    assert second.lifecycle.admit(reg.get_tenant("acme"))     # loaded from its newest checkpoint
     restored = second.store.state("acme")
     assert torch.equal(restored.buffer, snapshot[0]) and (restored.step, restored.cursor) == snapshot[1:]
     while second.tick() is not None:
@@ -330,4 +330,4 @@ def test_run_forever_stops_gracefully(world, tiny_model_dir):
     stop.set()
     t.join(timeout=60)
     assert not t.is_alive()
-    assert len(list_checkpoints(world[0].checkpoints_dir)) >= 2
+    assert len(checkpointed_tenants(world[0])) >= 2

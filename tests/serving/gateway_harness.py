@@ -20,6 +20,7 @@ import httpx
 from clora.ids import choice_ids
 from clora.registry import AdapterVersion, ApiKeyPrincipal
 from clora.serving.aliases import AdapterRef
+from clora.serving.canary import FALLBACK_PROMPT
 from clora.serving.engine import EngineManager
 from clora.serving.gateway import Gateway, create_app
 from clora.serving.interactions import InteractionLogger
@@ -109,6 +110,25 @@ def sse(chunks: list[dict[str, Any]]) -> bytes:
     return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
 
 
+def canary_request(request: httpx.Request, prompts: tuple[list[int], ...] = (FALLBACK_PROMPT,)) -> dict[str, Any] | None:
+    """The body of the engine's canary request (`Replica.prompt_logprobs`) for one of `prompts`
+    (default: the one a version without a canary gets), None for any other request."""
+    if request.url.path != "/v1/completions":
+        return None
+    body = json.loads(request.read())
+    return body if "prompt_logprobs" in body and body.get("prompt") in prompts else None
+
+
+def canary_response(body: dict[str, Any], logprob: float = -1.0) -> httpx.Response:
+    """vLLM's answer to a canary request: each prompt token after the first at `logprob`."""
+    ids = body["prompt"]
+    return httpx.Response(200, json={
+        "id": "c", "object": "text_completion", "model": body["model"],
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length",
+                     "prompt_logprobs": [None] + [{str(t): {"logprob": logprob, "rank": 1}} for t in ids[1:]]}],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}})
+
+
 def default_vllm(request: httpx.Request) -> httpx.Response:
     """A healthy vLLM: adapter calls and /health answer 200, completions answer `chat_response`."""
     if request.url.path in ("/health", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
@@ -142,16 +162,17 @@ class Harness:
         self.upstream: list[tuple[str, dict[str, Any], httpx.Headers]] = []
 
         def handler(request: httpx.Request):
+            if (canary := canary_request(request)) is not None:   # the load's canary: not a client's request
+                return canary_response(canary)
             if request.url.path.startswith("/v1/") and "completions" in request.url.path:
                 self.upstream.append((request.url.path, json.loads(request.read()), request.headers))
             return vllm(request)
 
-        es = EngineSettings(model=str(tmp_path), ports=[1], max_cpu_loras=4, base_via_zero_adapter=False,
-                            log_dir=tmp_path, **(engine or {}))
+        es = EngineSettings(**{"model": str(tmp_path), "ports": [1], "max_cpu_loras": 4, "base_via_zero_adapter": False,
+                               "log_dir": tmp_path, **(engine or {})})
         self.settings = GatewaySettings(spool_dir=tmp_path / "spool", **gateway)
         self.engine = EngineManager(es, adapter_wait_s=0.5)
-        self.engine.http = httpx.AsyncClient(transport=httpx.MockTransport(handler),
-                                             headers=dict(self.engine.http.headers))
+        self.engine.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         for r in self.engine.replicas:
             r.healthy = True
         self.producer = producer or FakeProducer()

@@ -16,6 +16,7 @@ from clora.serving.aliases import AdapterRef
 from clora.serving.engine import AdapterLoadError, EngineManager
 from clora.serving.settings import EngineSettings
 from clora.storage import S3Storage
+from tests.serving.gateway_harness import canary_request, canary_response
 
 pytestmark = pytest.mark.integration
 
@@ -24,6 +25,8 @@ FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": os.ura
 
 def _engine(tmp_path, storage, loads: list) -> EngineManager:
     def handler(request: httpx.Request) -> httpx.Response:
+        if (canary := canary_request(request)) is not None:
+            return canary_response(canary)
         if request.url.path == "/v1/load_lora_adapter":
             loads.append(json.loads(request.read()))
         return httpx.Response(200, text="ok")

@@ -12,10 +12,13 @@ from clora.serving.aliases import AdapterRef
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable
 from clora.serving.metrics import GatewayMetrics
 from clora.serving.settings import EngineSettings
+from tests.serving.gateway_harness import canary_request, canary_response
 
 
 def _engine(tmp_path, cap: int, calls: list) -> EngineManager:
     def handler(request: httpx.Request) -> httpx.Response:
+        if (canary := canary_request(request)) is not None:
+            return canary_response(canary)
         body = request.read().decode()
         calls.append((request.url.path, body))
         return httpx.Response(200, text="ok")
@@ -90,6 +93,8 @@ def test_a_request_during_an_unload_reloads_instead_of_pinning_the_leaving_adapt
         unloading, finish = asyncio.Event(), asyncio.Event()
 
         async def handler(request: httpx.Request) -> httpx.Response:
+            if (canary := canary_request(request)) is not None:
+                return canary_response(canary)
             calls.append(request.url.path)
             if request.url.path == "/v1/unload_lora_adapter":
                 unloading.set()
@@ -145,7 +150,7 @@ def test_a_version_that_fails_to_load_is_retried_with_growing_waits():
             return 2
 
         def adapter_version(self, tenant, version):
-            return SimpleNamespace(version=version, path=f"/adapters/{tenant}/v{version}")
+            return SimpleNamespace(version=version, path=f"/adapters/{tenant}/v{version}", canary=None)
 
     class Engine:
         def __init__(self):
@@ -201,6 +206,8 @@ def test_an_unload_that_fails_while_freeing_a_slot_is_a_transient_load_error(tmp
     """Not a ReplicaError, which would be a 500 on the request path and would end the hot-swap
     poller when a preload hit it."""
     def handler(request: httpx.Request) -> httpx.Response:
+        if (canary := canary_request(request)) is not None:
+            return canary_response(canary)
         return httpx.Response(500 if request.url.path.endswith("unload_lora_adapter") else 200, text="boom")
 
     es = EngineSettings(model=str(tmp_path), ports=[1], max_loras=1, max_cpu_loras=1, base_via_zero_adapter=False,
