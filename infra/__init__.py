@@ -14,4 +14,6 @@ no part imports it.
 | `freshness_bench` | `clora bench freshness`: feedback -> served latency under a steady stream |
 | `tinker_bench` | `clora bench tinker`: an RL step through the Tinker SDK vs native; concurrent SDK clients |
 | `bench_platform` | fresh platforms for those benchmarks (`PlatformLauncher`) and where they answer |
+| `cluster` | `Cluster`: every service its own process on one machine, sharing only broker, Redis and an S3 store |
+| `scale_bench` | `clora bench scale`: ingest and serving with 1 vs 2 instances, a learner's failover |
 """

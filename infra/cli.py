@@ -10,6 +10,7 @@
     clora webhook | ingest-worker | trainapi   # single services, for running them apart
     clora bench experiments           # N RL experiments: one after another vs at once
     clora bench freshness             # feedback -> served latency under a steady stream, p50 / p99
+    clora bench scale                 # 1 vs 2 instances of ingest and serving, learner failover
 
 Every command reads the same settings (`CLORA_*` environment variables, see
 infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those.
@@ -573,6 +574,36 @@ def bench_freshness(
             tenants=tenants, minutes=minutes, requests_per_s=requests_per_s, feedback_per_s=feedback_per_s,
             batch_size=batch_size, learning_rate=learning_rate, max_tokens=max_tokens, drain_s=drain_s, model=model,
             models_dir=models_dir, out=out, keep=keep)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
+@bench_app.command("scale")
+def bench_scale(
+        model: str = typer.Option("tiny", help="tiny or a local HF model directory"),
+        events: int = typer.Option(10000, help="Feedback events per ingest run"),
+        batch: int = typer.Option(50, help="Records per webhook request"),
+        clients: int = typer.Option(4, help="Concurrent feedback senders in total, spread over the webhooks"),
+        requests: int = typer.Option(128, help="Chat completions per serving run"),
+        concurrency: int = typer.Option(8, help="Concurrent completion clients in total, spread over the gateways"),
+        max_tokens: int = typer.Option(32, help="Tokens per completion (ignore_eos: exactly this many)"),
+        lease_ttl: float = typer.Option(6.0, "--lease-ttl", help="The learners' lease TTL (s): the failover bound"),
+        partitions: int = typer.Option(4, help="Partitions of each topic"),
+        out: str = typer.Option("bench-results/scale.json", help="JSON output"),
+        keep: bool = typer.Option(False, help="Keep the cluster's folders (every process's log)"),
+        log_level: str = "WARNING"):
+    """Scale-out on this machine, in one run: ingest (webhook -> buffer) and serving (gateway
+    completions) throughput with 1 vs 2 instances, and the time a killed learner's tenant takes to
+    train again on the other learner. Prints a table, writes JSON."""
+    from clora.infra.scale_bench import ScaleBenchConfig, main as run_bench
+
+    _logging(log_level)
+    try:
+        config = ScaleBenchConfig(model=model, events=events, batch=batch, clients=clients, requests=requests,
+                                  concurrency=concurrency, max_tokens=max_tokens, lease_ttl_s=lease_ttl,
+                                  partitions=partitions, out=out, keep=keep)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

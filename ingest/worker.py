@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import redis
-from kafka import KafkaConsumer
+from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import CommitFailedError, KafkaError
 from pydantic import ValidationError
 from pydantic_core import to_json
@@ -109,6 +109,8 @@ class IngestWorker:
         self._dlq: EventProducer | None = None
         self._policies: dict[str, _CachedPolicy] = {}
         self.processed = 0
+        self._committed: dict[TopicPartition, int] = {}
+        """The next offset of each partition after what this worker committed: its lag gauge's base."""
         self.heartbeat = heartbeat or Heartbeat(None)
 
     # --- consumer loop --------------------------------------------------------------------
@@ -141,6 +143,9 @@ class IngestWorker:
                     self._maybe_crash_before_commit()
                     try:
                         consumer.commit(timeout_ms=timeout_ms)      # only after Redis has every example
+                        for rec in records:
+                            tp = TopicPartition(rec.topic, rec.partition)
+                            self._committed[tp] = max(self._committed.get(tp, 0), rec.offset + 1)
                     except CommitFailedError as e:
                         # we were out of the group (e.g. a long Redis outage): the records go to
                         # whoever holds the partition now, and de-duplication makes that harmless
@@ -185,11 +190,17 @@ class IngestWorker:
             os._exit(FAULT_EXIT_CODE)
 
     def _update_gauges(self, consumer: KafkaConsumer) -> None:
-        """This member's Prometheus gauges: its partitions' lag and the buffers' depths."""
+        """This member's Prometheus gauges: its partitions' lag and the buffers' depths.
+
+        The lag is the high-water mark minus what this worker committed itself, both known
+        locally: it never asks the coordinator (`consumer.committed`). That blocking call, made
+        between polls while the group rebalances, left kafka-python 3.0.12 rejoining the group in
+        a loop: after kill -9 of one worker the survivor consumed no partition at all (Tansu,
+        tests/e2e/test_cluster.py). A partition this worker has committed nothing on yet has no lag
+        reported."""
         for tp in consumer.assignment():
-            high = consumer.highwater(tp)
-            committed = consumer.committed(tp, timeout_ms=self.settings.request_timeout_ms) or 0
-            if high is not None:
+            high, committed = consumer.highwater(tp), self._committed.get(tp)
+            if high is not None and committed is not None:
                 metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
         for tenant in self.buffers.tenants_with_data():
             for kind in EXAMPLE_KINDS:
