@@ -26,7 +26,10 @@ def test_the_data_files_the_platform_reads_ship_in_the_wheel(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
-    for folder in ("core", "ingest", "serving", "learner", "kernels", "agents", "infra"):
+    import tomllib
+
+    package_dir = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for folder in sorted(set(package_dir.values())):   # every folder the wheel is built from
         shutil.copytree(root / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     code = "import sys; from setuptools import build_meta as b; print(b.build_wheel(sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=src, capture_output=True,
