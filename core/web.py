@@ -1,6 +1,6 @@
-"""The HTTP front door the feedback webhook, the gateway and the control API share: reading a
-key or token from the headers, the request-body limit, the 422 for an invalid request and
-the error envelope.
+"""The HTTP front door the feedback webhook, the gateway, the control API and the Tinker training
+API share: reading a key or token from the headers, the request-body limit, string fields that
+must encode (`Utf8Str`), the 422 for an invalid request and the error envelope.
 
 Each door answers errors in its own shape (`ErrorShape`), one `HttpError` rendered either way:
 
@@ -28,11 +28,12 @@ import re
 from array import array
 from collections.abc import Callable, Mapping
 from itertools import accumulate
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import AfterValidator
 
 ErrorShape = Literal["clora", "openai"]
 
@@ -77,6 +78,21 @@ def api_key(headers: Mapping[str, str]) -> str:
 
 
 # --- request bodies ---------------------------------------------------------------------------
+
+def encodable(text: str) -> str:
+    """`text` if it is valid Unicode, else ValueError: JSON may escape a lone surrogate
+    (`"\\ud800"`), which Python decodes but cannot encode as UTF-8 (a Redis key, say)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate at character {e.start}: not valid Unicode") from e
+    return text
+
+
+Utf8Str = Annotated[str, AfterValidator(encodable)]
+"""A body's string field that goes on as UTF-8 (a Redis key, another service's request): a lone
+surrogate in it is a 422 naming the field."""
+
 
 def body_too_large(max_bytes: int, size: int | None = None) -> HttpError:
     """The 413 for a body over `max_bytes` (`size`: its declared length, when it had one)."""
@@ -214,8 +230,12 @@ class BodyLimit:
 
 def first_error(errors: list[dict], *, default: str = "body") -> tuple[str, str]:
     """(field, message) of the first of pydantic's `errors()`: the field as a dotted path
-    without FastAPI's leading "body" (`records.3.score`), `default` when it names none."""
+    without FastAPI's leading "body" (`records.3.score`), `default` when it names none. A body
+    that is not JSON names `default` (FastAPI's location is then the character it failed at)."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", first["msg"])
+        return default, f"not valid JSON at character {first['loc'][-1]}: {reason}"
     field = ".".join(str(p) for p in first["loc"] if p != "body")
     return field or default, first["msg"]
 

@@ -1,6 +1,6 @@
-"""Property-based fuzzing shared by the fuzz tests of the three HTTP doors (the gateway, the
-feedback webhook and the control API): hypothesis strategies for odd values, a JSON writer
-that sends them raw, and the invariant every door keeps.
+"""Property-based fuzzing shared by the fuzz tests of the four HTTP doors (the gateway, the
+feedback webhook, the control API and the Tinker training API): hypothesis strategies for odd
+values, a JSON writer that sends them raw, and the invariant every door keeps.
 
 The invariant (`assert_door_holds`): whatever the request, the door never answers 5xx, and
 the keep-alive connection the request came on stays usable — a normal request sent next on
@@ -170,6 +170,39 @@ class Mutation:
 def mutations(paths: Sequence[Path], values: st.SearchStrategy[Any] | None = None) -> st.SearchStrategy[Mutation]:
     """One of `paths` (fields of a valid body, or new ones) set to an odd value."""
     return st.builds(Mutation, st.sampled_from(list(paths)), values if values is not None else odd_values())
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A valid body with the field at `path` left out; shows as `del lora_config.rank`."""
+
+    path: Path
+
+    def apply(self, body: dict[str, Any]) -> Any:
+        out = copy.deepcopy(body)
+        node = out
+        for step in self.path[:-1]:
+            node = node[step]
+        del node[self.path[-1]]
+        return out
+
+    def __repr__(self) -> str:
+        return f"del {'.'.join(map(str, self.path))}"
+
+
+def removals(paths: Sequence[Path]) -> st.SearchStrategy[Removal]:
+    """One of `paths` (fields of a valid body; not `()`) left out."""
+    return st.builds(Removal, st.sampled_from([p for p in paths if p]))
+
+
+def paths_in(body: Any, at: Path = ()) -> list[Path]:
+    """Every place in `body` a value sits, nested ones included:
+    `paths_in({"a": {"b": [1]}})` is `[("a",), ("a", "b"), ("a", "b", 0)]`."""
+    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
+    out: list[Path] = []
+    for key, value in items:
+        out += [(*at, key), *paths_in(value, (*at, key))]
+    return out
 
 
 # --- headers ------------------------------------------------------------------------------

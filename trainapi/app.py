@@ -49,7 +49,7 @@ from clora.trainapi.settings import TrainApiSettings
 from clora.trainapi.weights import KINDS as KINDS_ALL, CheckpointDir, CheckpointInfo, NotFound, TinkerPath, \
     check_name, parse_path
 from clora.trainapi.wire import WireError, decode_forward_backward, decompress
-from clora.web import HttpError, body_too_large, install_error_handlers, read_body
+from clora.web import BodyLimit, HttpError, Utf8Str, body_too_large, install_error_handlers, read_body
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class FinishRequest(_Body):
 
 class LoraConfig(_Body):
     rank: int = Field(ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
+    """The LoRA init's seed, in the range torch's generator takes (the learner's create would fail)."""
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -147,7 +148,7 @@ class WeightsInfoRequest(_Body):
 
 
 class RetrieveRequest(_Body):
-    request_id: str
+    request_id: Utf8Str
     allow_metadata_only: bool = False
 
 
@@ -292,10 +293,15 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
     app = FastAPI(title="clora Tinker-compatible training API", lifespan=lifespan)
     app.state.trainapi = api
     install_error_handlers(app, "clora")
+    # every body, JSON or protobuf, is refused over the limit before a route reads it
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, shape="clora")
 
     async def not_found(_request: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if e.status_code == 404 else "http_error"
-        return HttpError(e.status_code, code, str(e.detail), "path").response("clora")
+        if e.status_code in (404, 405):   # no such route, or not with this method
+            return HttpError(e.status_code, "not_found" if e.status_code == 404 else "http_error", str(e.detail),
+                             "path").response("clora")
+        # FastAPI's 400 for a body it cannot parse: not UTF-8, or nested past Python's recursion limit
+        return HttpError(e.status_code, "invalid_request", f"body: {e.detail}", "body").response("clora")
 
     app.add_exception_handler(StarletteHTTPException, not_found)
     v1 = "/api/v1"

@@ -66,7 +66,7 @@ from clora.trainapi import queue
 from clora.trainapi.settings import TrainApiSettings
 from clora.trainapi.weights import parse_path
 from clora.trainapi.wire import WireError, message_class
-from clora.web import HttpError
+from clora.web import HttpError, Utf8Str
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class SamplingParamsBody(_Body):
 
 
 class AsampleRequest(_Body):
-    sampling_session_id: str | None = None
+    sampling_session_id: Utf8Str | None = None
     seq_id: int | None = None
     base_model: str | None = None
     """Legacy form, without a sampling session."""
@@ -226,7 +226,7 @@ def prompt_tokens(prompt: ModelInputBody) -> list[int]:
     for i, chunk in enumerate(prompt.chunks):
         kind = chunk.get("type", "encoded_text")
         if kind != "encoded_text":
-            raise HttpError(400, "invalid_request", f"prompt.chunks.{i}: {kind} chunks are not supported: text only",
+            raise HttpError(400, "invalid_request", f"prompt.chunks.{i}: {kind!r} chunks are not supported: text only",
                             f"prompt.chunks.{i}")
         values = chunk.get("tokens")
         if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -426,6 +426,9 @@ def install_sampling(app: FastAPI, api: Api, *, gateway: httpx.AsyncClient | Non
             target = await resolve(tenant, body.base_model, body.model_path)
         tokens = prompt_tokens(body.prompt)
         check_unsupported(body, len(tokens))
+        if body.num_samples > settings.max_num_samples:
+            raise HttpError(400, "invalid_request", f"num_samples: at most {settings.max_num_samples} per "
+                            f"request, got {body.num_samples}", "num_samples")
         resent = None
         if body.sampling_session_id is not None and body.seq_id is not None:
             resent = f"{_ASAMPLE_KEY}{body.sampling_session_id}:{body.seq_id}"

@@ -64,6 +64,9 @@ class TrainApiSettings(BaseSettings):
     max_samples_in_flight: int = Field(default=256, ge=1)
     """`asample` requests one tenant may have running in this service; more answer 429, which the
     SDK waits out and resends (the gateway's own per-tenant quota applies on top)."""
+    max_num_samples: int = Field(default=1024, ge=1)
+    """`num_samples` one `asample` may ask for at most; more answer 400 naming it, before one
+    sequence id per sample is made (the gateway's own `max_n` applies on top)."""
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> "TrainApiSettings":

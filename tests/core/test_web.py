@@ -1,15 +1,17 @@
 """The shared HTTP front door (`clora.web`): credentials read from headers, body limits by
-declared length, by streamed bytes and by nesting depth, the 422 naming the field, and each
-door's error shape."""
+declared length, by streamed bytes and by nesting depth, strings that must encode, the 422 naming
+the field, and each door's error shape."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
-from clora.web import (MAX_JSON_DEPTH, BodyLimit, HttpError, api_key, bearer_token, first_error,
+from clora.web import (MAX_JSON_DEPTH, BodyLimit, HttpError, Utf8Str, api_key, bearer_token, first_error,
                        install_error_handlers, read_body, too_deep)
 
 
@@ -45,6 +47,23 @@ def test_first_error_names_the_field_without_fastapis_body_prefix():
     assert first_error([{"loc": ("body",), "msg": "not an object"}]) == ("body", "not an object")
     assert first_error([{"loc": (), "msg": "bad"}], default="") == ("", "bad")
     assert first_error([]) == ("body", "invalid request")
+
+
+def test_a_body_that_is_not_json_names_the_body_not_the_character_it_failed_at():
+    errors = [{"type": "json_invalid", "loc": ("body", 5), "msg": "JSON decode error",
+               "ctx": {"error": "Expecting value"}}]
+    assert first_error(errors) == ("body", "not valid JSON at character 5: Expecting value")
+
+
+def test_a_lone_surrogate_in_a_utf8_field_is_refused_naming_the_field():
+    class Body(BaseModel):
+        request_id: Utf8Str
+
+    assert Body.model_validate(json.loads('{"request_id": "a\\ud83d\\ude00"}')).request_id == "a\U0001f600"
+    with pytest.raises(ValidationError) as e:   # FastAPI reads a body with `json`, which decodes the surrogate
+        Body.model_validate(json.loads('{"request_id": "ab\\ud800"}'))
+    assert e.value.errors()[0]["loc"] == ("request_id",)
+    assert "lone surrogate at character 2" in e.value.errors()[0]["msg"]
 
 
 class Record(BaseModel):

@@ -136,3 +136,10 @@ def test_an_unsupported_rank_or_module_set_is_400_and_creates_nothing(service):
 def test_an_unknown_future_is_410(service):
     url = service.url
     assert_error(post(url, "retrieve_future", {"request_id": "nope"}), 410, "request_id")
+
+
+def test_an_oversized_json_body_is_413_before_any_route_reads_it(service):
+    huge = {"session_id": "x", "tags": ["a" * 1024] * 80}   # over the fixture's 64 KiB max_body_bytes
+    r = post(service.url, "create_session", huge)
+    assert r.status_code == 413 and r.json()["error"]["code"], r.text
+    assert not service.work.runs   # nothing was created
