@@ -28,7 +28,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clora.registry import ApiKeyPrincipal
+from clora.storage import StorageError, StorageSettings
 from clora.trainapi import queue
 from clora.trainapi.backend import LoraCapabilities, run_key
 from clora.trainapi.losses import check_call
@@ -156,11 +156,12 @@ class TrainApi:
     """The service's state: sessions and models (this process's memory), and the Redis client
     its requests and their futures go through."""
 
-    def __init__(self, settings: TrainApiSettings, authenticate: Authenticate, redis):
+    def __init__(self, settings: TrainApiSettings, authenticate: Authenticate, redis,
+                 storage: StorageSettings | None = None):
         self.settings, self.authenticate, self.redis = settings, authenticate, redis
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TinkerModel] = {}
-        self.checkpoints = CheckpointDir(settings.checkpoints_dir)
+        self.checkpoints = CheckpointDir(settings.checkpoints_dir, storage)
         self.runs = RunStore(redis, settings.max_seq_ids_kept)
         self._enqueue_locks: dict[str, asyncio.Lock] = {}
 
@@ -194,7 +195,7 @@ class TrainApi:
         return LoraCapabilities(**caps)
 
     def checkpoint(self, tenant: str, path: str, kinds: tuple[str, ...] = ("weights",),
-                   field: str = "path") -> tuple[TinkerPath, Path, CheckpointInfo]:
+                   field: str = "path") -> tuple[TinkerPath, CheckpointInfo]:
         """`tenant`'s checkpoint at `path`: 400 for a malformed path or another kind, 404 for
         one it does not have (another tenant's included)."""
         try:
@@ -205,10 +206,13 @@ class TrainApi:
             raise HttpError(400, "invalid_path", f"{field}: {path!r} is a {p.kind} path; this call takes "
                             f"{' or '.join(kinds)}", field)
         try:
-            folder, info = self.checkpoints.find(tenant, p, field)
+            info = self.checkpoints.info(tenant, p, field)
         except NotFound as e:
             raise HttpError(404, "checkpoint_not_found", str(e), field) from e
-        return p, folder, info
+        except StorageError as e:
+            raise HttpError(503, "storage_unavailable", f"{field}: the checkpoint store could not be read: {e}",
+                            field) from e
+        return p, info
 
     # --- running requests -------------------------------------------------------------------
 
@@ -281,9 +285,10 @@ def _seed(model_id: str) -> int:
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "little")
 
 
-def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) -> FastAPI:
+def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis,
+               storage: StorageSettings | None = None) -> FastAPI:
     """The app on `redis` (a `redis.asyncio.Redis` without decoded responses)."""
-    api = TrainApi(settings, authenticate, redis)
+    api = TrainApi(settings, authenticate, redis, storage)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -451,7 +456,12 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
     # --- weights ------------------------------------------------------------------------------
 
     def unused_name(m: TinkerModel, kind: str, name: str, overwrite: bool) -> None:
-        if not overwrite and api.checkpoints.folder(m.tenant, TinkerPath(m.model_id, kind, name)).exists():
+        try:
+            exists = not overwrite and api.checkpoints.exists(m.tenant, TinkerPath(m.model_id, kind, name))
+        except StorageError as e:
+            raise HttpError(503, "storage_unavailable", f"path: the checkpoint store could not be read: {e}",
+                            "path") from e
+        if exists:
             raise HttpError(400, "checkpoint_exists", f"path: checkpoint {name!r} of {m.model_id!r} exists; "
                             "pass overwrite=True to replace it", "path")
 
@@ -495,16 +505,13 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
             raise HttpError(400, "invalid_request", "load_weights takes {model_id, seq_id} or {session_id, "
                             "model_seq_id}", "model_id")
         m = api.model(tenant, body.model_id)
-        found: list[Path] = []
 
         def check() -> None:
-            _, folder, info = api.checkpoint(tenant, body.path)
+            _, info = api.checkpoint(tenant, body.path)
             check_loadable(info, body.optimizer, m.rank)
-            found.append(folder)
 
         return await api.sequenced(m, body.seq_id, "json", check, "load",
-                                   lambda: {"folder": str(found[0]), "optimizer": body.optimizer,
-                                            "path": body.path})
+                                   lambda: {"optimizer": body.optimizer, "path": body.path})
 
     def check_loadable(info: CheckpointInfo, optimizer: bool, rank: int) -> None:
         if info.lora_rank != rank or info.base_model != settings.base_model:
@@ -528,7 +535,7 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
         if body.base_model is not None and body.base_model != settings.base_model:
             raise HttpError(400, "unsupported_model", f"base_model {body.base_model!r} is not served here",
                             "base_model")
-        _, folder, info = api.checkpoint(tenant, body.path)
+        _, info = api.checkpoint(tenant, body.path)
         check_loadable(info, body.optimizer, (await api.caps()).rank)
         rid = str(uuid.uuid4())
         m = TinkerModel(model_id=model_id, session_id=s.session_id, tenant=tenant, key=run_key(tenant, model_id),
@@ -537,13 +544,12 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis) ->
         api.models[model_id] = m
         await api.runs.save_model(m, _seed(model_id))
         await api.enqueue(m, str(uuid.uuid4()), "json", "create", {})
-        await api.enqueue(m, rid, "json", "load", {"folder": str(folder), "optimizer": body.optimizer,
-                                                   "path": body.path, "creates": True})
+        await api.enqueue(m, rid, "json", "load", {"optimizer": body.optimizer, "path": body.path, "creates": True})
         return {"request_id": rid, "model_id": model_id}
 
     @app.post(f"{v1}/weights_info")
     async def weights_info(request: Request, body: WeightsInfoRequest) -> dict:
-        _, _, info = api.checkpoint(await api.tenant(request), body.tinker_path, KINDS_ALL, "tinker_path")
+        _, info = api.checkpoint(await api.tenant(request), body.tinker_path, KINDS_ALL, "tinker_path")
         return {"base_model": info.base_model, "is_lora": True, "lora_rank": info.lora_rank,
                 "train_unembed": False, "train_mlp": info.train_mlp, "train_attn": info.train_attn,
                 "optimizer_config": {"type": "adamw"}}

@@ -50,7 +50,7 @@ from clora.trainapi.backend import AdamParams, InProcessBackend
 from clora.trainapi.queue import Job
 from clora.trainapi.sampling import get_sampling_session, put_sampling_session
 from clora.trainapi.settings import TrainApiSettings
-from clora.trainapi.weights import CheckpointDir, CheckpointInfo, TinkerPath
+from clora.trainapi.weights import CheckpointDir, CheckpointInfo, NotFound, TinkerPath, parse_path
 from clora.trainapi.wire import WireError, decode_forward_backward, forward_backward_json, \
     forward_backward_output
 
@@ -78,17 +78,17 @@ class RunRecord:
 
 
 def make_tinker_work(learner, redis_client) -> "TinkerWork":
-    return TinkerWork(learner, redis_client, TrainApiSettings())
+    return TinkerWork(learner, redis_client, TrainApiSettings(), StorageSettings())
 
 
 class TinkerWork:
     """`clora.learner.external.ExternalWork` for the Tinker API's runs."""
 
-    def __init__(self, learner, redis_client, settings: TrainApiSettings):
+    def __init__(self, learner, redis_client, settings: TrainApiSettings, storage: StorageSettings | None = None):
         self.learner, self.r, self.settings = learner, redis_client, settings
         self.store = learner.store
         self.backend = InProcessBackend(learner.trainer)
-        self.checkpoints = CheckpointDir(settings.checkpoints_dir)
+        self.checkpoints = CheckpointDir(settings.checkpoints_dir, storage)
         self.runs: dict[str, RunRecord] = {}
         self.restore()
         queue.publish_caps(self.r, dataclasses.asdict(self.backend.capabilities()))
@@ -239,7 +239,11 @@ class TinkerWork:
             self._checkpoint(key, n)
             return {"type": "optim_step", "metrics": metrics}, False
         if job.op == "load":
-            self.backend.load_state(key, Path(a["folder"]), a["optimizer"])
+            try:   # from the path, not a folder the API found: with a store, that is another host's cache
+                folder, _ = self.checkpoints.find(rec.tenant, parse_path(a["path"]))
+            except NotFound as e:
+                raise RequestError(f"{e} (it was deleted after the request was accepted)") from e
+            self.backend.load_state(key, folder, a["optimizer"])
             rec.grad_lost = False
             self._checkpoint(key, n)
             return {"type": "load_weights", "path": a["path"], **({"model_id": rec.model_id}
@@ -268,7 +272,7 @@ class TinkerWork:
             return {"type": "save_weights_for_sampler", "sampling_session_id": sid}
         if sampler and self.learner.registry.tinker_sampler_version(rec.tenant, str(p)) is not None:
             return {"type": "save_weights_for_sampler", "path": str(p)}   # published before a restart
-        if not (sampler and self.checkpoints.folder(rec.tenant, p).exists()):
+        if not (sampler and self.checkpoints.exists(rec.tenant, p)):
             caps = self.backend.capabilities()
 
             def fill(folder: Path) -> CheckpointInfo:

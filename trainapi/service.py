@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from clora.storage import StorageSettings
 from clora.trainapi.app import create_app
 from clora.trainapi.settings import TrainApiSettings
 
@@ -23,7 +24,7 @@ def build(settings: TrainApiSettings, redis_url: str) -> FastAPI:
     from clora.registry import Registry
 
     registry = Registry(redis.Redis.from_url(redis_url))
-    return create_app(settings, registry.authenticate_tinker, async_redis_client(redis_url))
+    return create_app(settings, registry.authenticate_tinker, async_redis_client(redis_url), StorageSettings())
 
 
 def main(settings: TrainApiSettings, redis_url: str) -> None:

@@ -43,7 +43,9 @@ class TrainApiSettings(BaseSettings):
     fwdbwd_max_chunk_bytes: int = Field(default=4_000_000, ge=1024)
     """Estimated protobuf bytes per `forward_backward` request the SDK sends at most."""
     checkpoints_dir: Path = Path(".clora/trainapi/checkpoints")
-    """Saved weights: `<checkpoints_dir>/<tenant>/<model_id>/{weights,sampler_weights}/<name>/`."""
+    """Saved weights: `<checkpoints_dir>/<tenant>/<model_id>/{weights,sampler_weights}/<name>/`; a
+    folder the API and the learners share, or with the S3 adapter store (`CLORA_STORAGE_BACKEND=s3`)
+    each host's cache of the objects the store holds (`clora.trainapi.weights`)."""
     max_resident_runs: int = Field(default=4, ge=1)
     """A tenant's Tinker runs held in the learner's memory at most (each as large as a tenant's
     adapter state); a further run's request evicts the tenant's least recently used one, whose

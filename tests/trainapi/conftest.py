@@ -18,6 +18,7 @@ from clora.learner.base_model import load_base_model, make_tiny_model
 from clora.learner.process import Learner
 from clora.learner.settings import LearnerSettings
 from clora.registry import Registry
+from clora.storage import StorageSettings
 from clora.trainapi.app import create_app
 from clora.trainapi.executor import TinkerWork
 from clora.trainapi.settings import TrainApiSettings
@@ -52,6 +53,10 @@ class TinkerService:
     announced: list[AdapterEvent] = field(default_factory=list)
     server: ServerThread | None = None
     redis_url: str = ""
+    storage: StorageSettings | None = None
+    """The S3 store the API and the learner keep saved weights in; None: the shared folder."""
+    api_settings: TrainApiSettings | None = None
+    """The API's settings where they differ from the learner's (its own checkpoints folder)."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -64,7 +69,7 @@ class TinkerService:
         """A learner on a fresh copy of the model (not started): it knows only what Redis and
         the checkpoints hold, as one restarted after a crash does."""
         return build_learner(self.tiny_dir, self.learner_settings, self.registry, self.redis, self.settings,
-                             self.announced)
+                             self.announced, self.storage)
 
     def serve_api(self) -> None:
         """Start the API (again, on the same port after `stop_api`): a new app and client, which
@@ -72,7 +77,8 @@ class TinkerService:
         from clora.ingest.webhook import async_redis_client
 
         port = self.server.port if self.server is not None else None
-        app = create_app(self.settings, self.registry.authenticate_tinker, async_redis_client(self.redis_url))
+        app = create_app(self.api_settings or self.settings, self.registry.authenticate_tinker,
+                         async_redis_client(self.redis_url), self.storage)
         self.server = ServerThread(app, lifespan="auto", port=port).start()
         self.url = self.server.url
 
@@ -91,17 +97,28 @@ class TinkerService:
 
 
 def build_learner(tiny_dir: Path, s: LearnerSettings, registry: Registry, redis_client, settings: TrainApiSettings,
-                  announced: list) -> Learner:
+                  announced: list, storage: StorageSettings | None = None) -> Learner:
     model, tok = load_base_model(tiny_dir)
     learner = Learner(s, model, tok, registry=registry, buffer=ReplayBuffer(redis_client), announce=announced.append,
                       base_model_name="tiny")
-    learner.external = TinkerWork(learner, redis_client, settings)
+    learner.external = TinkerWork(learner, redis_client, settings, storage)
     return learner
 
 
 @pytest.fixture()
 def service(stack, tiny_dir, monkeypatch, tmp_path):
     """A fresh training API on the tiny model, its learner running; tenants `acme` and `beta`."""
+    yield from run_service(stack, tiny_dir, monkeypatch, tmp_path)
+
+
+@pytest.fixture()
+def service_s3(stack, tiny_dir, monkeypatch, tmp_path, s3_storage_settings):
+    """`service` with saved weights in the suite's S3 server, and the API and the learner each
+    on its own checkpoints folder, as on two hosts with no shared volume."""
+    yield from run_service(stack, tiny_dir, monkeypatch, tmp_path, s3_storage_settings)
+
+
+def run_service(stack, tiny_dir, monkeypatch, tmp_path, storage: StorageSettings | None = None):
     import redis
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -123,9 +140,11 @@ def service(stack, tiny_dir, monkeypatch, tmp_path):
                          metrics_port=0, rank=RANK, alpha=2 * RANK, max_seq_len=64, micro_batch_size=4,
                          idle_sleep_s=0.2)
     announced: list[AdapterEvent] = []
-    learner = build_learner(tiny_dir, ls, registry, client, settings, announced)
+    learner = build_learner(tiny_dir, ls, registry, client, settings, announced, storage)
+    api_settings = settings.model_copy(update={"checkpoints_dir": tmp_path / "api-checkpoints"}) if storage else None
     svc = TinkerService(url="", keys=keys, learner=learner, work=learner.external, registry=registry, redis=client,
-                        settings=settings, learner_settings=ls, tiny_dir=tiny_dir, announced=announced, redis_url=url)
+                        settings=settings, learner_settings=ls, tiny_dir=tiny_dir, announced=announced, redis_url=url,
+                        storage=storage, api_settings=api_settings)
     svc.start_learner(learner)
     try:
         svc.serve_api()
