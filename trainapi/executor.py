@@ -45,6 +45,7 @@ from clora.ids import served_name
 from clora.learner.adapter_store import GRAD
 from clora.learner.checkpoint import run_checkpoint
 from clora.learner.scheduler import TenantView
+from clora.storage import StorageSettings
 from clora.trainapi import queue
 from clora.trainapi.backend import AdamParams, InProcessBackend
 from clora.trainapi.queue import Job
