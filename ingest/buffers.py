@@ -36,11 +36,12 @@ import hashlib
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import redis
 from pydantic import TypeAdapter
+from pydantic_core import to_json
 
 from clora.ingest.schemas import EXAMPLE_KINDS, Example, InteractionEvent
 from clora.ingest.signals import DIVERSITY_WINDOW, ReplyTraits, ServedSignals, sample_variance
@@ -68,22 +69,24 @@ def _stored_flags(raw: bytes) -> list[int]:
     return [c - 48 for c in raw]
 
 
-def _parked_bodies(flat: list[bytes]) -> list[bytes]:
-    """The reply of `_STORE_INTERACTION` (HGETALL's flat [id, json, id, json, ...]) as the
-    parked feedback's JSON bodies."""
-    return flat[1::2]
+def _parked_lists(per_interaction: list[list[bytes]]) -> list[list[bytes]]:
+    """The reply of `_STORE_INTERACTIONS` (per interaction, HGETALL's flat [id, json, id, json,
+    ...]) as each interaction's parked feedback JSON bodies."""
+    return [flat[1::2] for flat in per_interaction]
 
 
 # Stores the examples of several feedback events of one tenant, each at most once.
 # KEYS: seen, stats, recent, then per kind (sft, preference, rl): buf, ex, held, held_ex ;
 #       seq (KEYS[16]) ; rewards (KEYS[17]) ; episodes (KEYS[18]) ; then the parked-feedback
 #       hashes that guards g >= 1 refer to (KEYS[18 + g]).
-# ARGV: now, capacity, eviction, dedup_window, n_events, then per event:
-#       event_id, guard (0: de-duplicate on the seen set; g > 0: remove from KEYS[17 + g]),
-#       recent_json ('' for none), untrained ('' or the reason its score trains nothing: counted
-#       in stats as 'untrained_feedback:<reason>' when the event is fresh), n_examples, then n_examples x
-#       (kind 0..2, id, heldout 0/1, json, tally: '' or '<version>|<reward>|<episode>' for an RL
-#       sample, the episode '' when it has none)
+# ARGV: now, capacity, eviction, dedup_window, then the events as one JSON array
+#       (`ReplayBuffer._add_call`):
+#       [[event_id, guard, recent_json, untrained, [[kind, id, heldout, json, tally], ...]], ...]
+#       guard 0: de-duplicate on the seen set; g > 0: remove from KEYS[18 + g]. recent_json: ''
+#       for none. untrained: '' or the reason its score trains nothing (counted in stats as
+#       'untrained_feedback:<reason>' when the event is fresh). Per example: kind 0..2, heldout
+#       0/1, tally '' or '<version>|<reward>|<episode>' for an RL sample (the episode '' when it
+#       has none). One argument, not five per example: redis-py packs each argument in Python.
 # Each RL sample stored for the first time adds its reward to its serving version's tally (the
 # reward guard reads it): a redelivered event counts once, as it stores once. An episode counts
 # once too: only the first of its samples to arrive is tallied (episodes zset, trimmed to the
@@ -100,7 +103,8 @@ def _parked_bodies(flat: list[bytes]) -> list[bytes]:
 _ADD_EXAMPLES = """
 local now, cap, eviction, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 if string.sub(eviction, 1, 7) == 'random:' then math.randomseed(tonumber(string.sub(eviction, 8))) end
-local n_events = tonumber(ARGV[5])
+local events = cjson.decode(ARGV[5])
+local n_events = #events
 local CHUNK = 1000
 
 local function sliced(list, width, fn)     -- fn(first, last) over slices of whole records
@@ -109,12 +113,9 @@ local function sliced(list, width, fn)     -- fn(first, last) over slices of who
 end
 
 -- 1. which unguarded event ids are already known
-local starts, unguarded, known = {}, {}, {}
-local a = 6
+local unguarded, known = {}, {}
 for e = 1, n_events do
-  starts[e] = a
-  if ARGV[a + 1] == '0' then unguarded[#unguarded + 1] = ARGV[a] end
-  a = a + 5 + 5 * tonumber(ARGV[a + 4])
+  if events[e][2] == 0 then unguarded[#unguarded + 1] = events[e][1] end
 end
 sliced(unguarded, 1, function(i, j)
   local scores = redis.call('ZMSCORE', KEYS[1], unpack(unguarded, i, j))
@@ -125,8 +126,7 @@ end)
 local results, recents, new_seen, cands, by_slot, untrained = {}, {}, {}, {}, {}, {}
 local dups = 0
 for e = 1, n_events do
-  a = starts[e]
-  local eid, guard, recent, why, n = ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4])
+  local eid, guard, recent, why, examples = unpack(events[e])
   local fresh
   if guard == 0 then
     fresh = not known[eid]
@@ -141,13 +141,12 @@ for e = 1, n_events do
   if fresh then
     if recent ~= '' then recents[#recents + 1] = recent end
     if why ~= '' then untrained[why] = (untrained[why] or 0) + 1 end
-    for i = 0, n - 1 do
-      local b = a + 5 + 5 * i
-      local slot = 4 + tonumber(ARGV[b]) * 4 + (ARGV[b + 2] == '1' and 2 or 0)   -- KEYS index of buf; ex is next
-      cands[#cands + 1] = {slot, ARGV[b + 1], ARGV[b + 3], ARGV[b + 4]}
+    for _, x in ipairs(examples) do
+      local slot = 4 + x[1] * 4 + (x[3] == 1 and 2 or 0)   -- KEYS index of buf; ex is next
+      cands[#cands + 1] = {slot, x[2], x[4], x[5]}
       local ids = by_slot[slot]
       if not ids then ids = {}; by_slot[slot] = ids end
-      ids[#ids + 1] = ARGV[b + 1]
+      ids[#ids + 1] = x[2]
     end
     results[e] = '1'
   else
@@ -267,31 +266,64 @@ redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
 return 1
 """ % (RECENT_FEEDBACK - 1)
 
-# KEYS: seen, ix, pending, served, distinct ; ARGV: event_id, now, interaction_json, ttl, window,
-#       then the reply's traits (`ReplyTraits`): version ('' for no traits: nothing counted), empty
-#       0/1, tool 0/1, bad_tool 0/1, length, fingerprint, diversity window
-# Stores the interaction once, and adds its reply to its version's signals as it does (so a
-# redelivered interaction counts once); always returns the feedback still parked for it.
-_STORE_INTERACTION = """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], tonumber(ARGV[2]), ARGV[1])
-  local over = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
-  if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
-  redis.call('SET', KEYS[2], ARGV[3], 'EX', tonumber(ARGV[4]))
-  local v = ARGV[6]
-  if v ~= '' then
-    local n = redis.call('HINCRBY', KEYS[4], v .. ':n', 1)
-    for i, name in ipairs({'empty', 'tool', 'bad_tool'}) do
-      if ARGV[6 + i] == '1' then redis.call('HINCRBY', KEYS[4], v .. ':' .. name, 1) end
-    end
-    local len = tonumber(ARGV[10])
-    redis.call('HINCRBY', KEYS[4], v .. ':chars', len)
-    redis.call('HINCRBY', KEYS[4], v .. ':chars_sq', len * len)
-    if n <= tonumber(ARGV[12]) then redis.call('PFADD', KEYS[5], ARGV[11]) end
-  end
+# Stores interactions of one tenant, each once, and adds each new one's reply to its version's
+# signals as it does (so a redelivered interaction counts once); returns, per interaction, the
+# feedback still parked for it (HGETALL's flat [id, json, ...]).
+# KEYS: seen, served, then per interaction i = 1.. : ix (KEYS[3i]), pending (KEYS[3i + 1]),
+#       distinct (KEYS[3i + 2])
+# ARGV: now, ttl, window, diversity window, then the interactions as one JSON array
+#       (`ReplayBuffer._store_call`): [[event_id, interaction_json, version, empty 0/1, tool 0/1,
+#       bad_tool 0/1, length, fingerprint], ...], version '' for no traits: nothing counted.
+# One call per tenant and poll, its arguments one string (as `_ADD_EXAMPLES`).
+_STORE_INTERACTIONS = """
+local now, ttl, window, diversity = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local items = cjson.decode(ARGV[5])
+local ids, known = {}, {}
+for i, it in ipairs(items) do ids[i] = it[1] end
+for i = 1, #ids, 1000 do
+  local j = math.min(i + 999, #ids)
+  local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids, i, j))
+  for k = i, j do if scores[k - i + 1] then known[ids[k]] = true end end
 end
-return redis.call('HGETALL', KEYS[3])
+local parked, added = {}, 0
+for i, it in ipairs(items) do
+  local eid, v = it[1], it[3]
+  if not known[eid] then
+    known[eid] = true
+    added = added + 1
+    redis.call('ZADD', KEYS[1], now, eid)
+    redis.call('SET', KEYS[3 * i], it[2], 'EX', ttl)
+    if v ~= '' then
+      local n = redis.call('HINCRBY', KEYS[2], v .. ':n', 1)
+      for f, name in ipairs({'empty', 'tool', 'bad_tool'}) do
+        if it[3 + f] == 1 then redis.call('HINCRBY', KEYS[2], v .. ':' .. name, 1) end
+      end
+      local len = it[7]
+      redis.call('HINCRBY', KEYS[2], v .. ':chars', len)
+      redis.call('HINCRBY', KEYS[2], v .. ':chars_sq', len * len)
+      if n <= diversity then redis.call('PFADD', KEYS[3 * i + 2], it[8]) end
+    end
+  end
+  parked[i] = redis.call('HGETALL', KEYS[3 * i + 1])
+end
+if added > 0 then
+  local over = redis.call('ZCARD', KEYS[1]) - window
+  if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+end
+return parked
 """
+
+
+@dataclass(frozen=True)
+class InteractionWrite:
+    """One interaction waiting to be stored (`ReplayBuffer.store_interactions`)."""
+
+    event_id: str
+    interaction_id: str
+    body: str
+    """The interaction's JSON, as the feedback joined with it will read it."""
+    traits: ReplyTraits | None = None
+    """Its reply's traits, counted in its version's signals when it is new (None: nothing counted)."""
 
 
 @dataclass(frozen=True)
@@ -388,7 +420,7 @@ class ReplayBuffer:
         self.policy = policy or BufferPolicy()
         self._add = client.register_script(_ADD_EXAMPLES)
         self._park = client.register_script(_PARK_FEEDBACK)
-        self._store = client.register_script(_STORE_INTERACTION)
+        self._store = client.register_script(_STORE_INTERACTIONS)
 
     # --- keys -----------------------------------------------------------------------------
 
@@ -410,7 +442,12 @@ class ReplayBuffer:
                           *, now: float, traits: ReplyTraits | None = None) -> list[bytes]:
         """Store an interaction (once), and count its reply's `traits` in its version's signals
         when the interaction is new. Returns the JSON of the feedback parked for it."""
-        return self._run(self._store_call(tenant, event_id, interaction_id, body, now=now, traits=traits))
+        return self.store_interactions(tenant, [InteractionWrite(event_id, interaction_id, body, traits)], now=now)[0]
+
+    def store_interactions(self, tenant: str, items: list[InteractionWrite], *, now: float) -> list[list[bytes]]:
+        """`store_interaction` for several interactions of one tenant, in one script call:
+        per interaction, the JSON of the feedback parked for it."""
+        return self._run(self._store_call(tenant, items, now=now))
 
     def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
                       *, now: float, recent: str = "") -> ParkResult:
@@ -449,16 +486,18 @@ class ReplayBuffer:
     def _run(self, call: "_ScriptCall"):
         return call.decode(call.script(keys=call.keys, args=call.args))
 
-    def _store_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
-                    traits: ReplyTraits | None = None) -> "_ScriptCall":
-        version = "" if traits is None else _version_field(traits.version)
-        keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id),
-                tkey(tenant, "served"), tkey(tenant, "distinct", version or "none")]
-        args = [event_id, now, body, self.policy.interaction_ttl_s, self.policy.dedup_window, version]
-        if traits is not None:
-            args += [int(traits.empty), int(traits.tool_call), int(traits.bad_tool_call), traits.length,
-                     traits.fingerprint, DIVERSITY_WINDOW]
-        return _ScriptCall(self._store, keys, args, _parked_bodies)
+    def _store_call(self, tenant: str, items: list[InteractionWrite], *, now: float) -> "_ScriptCall":
+        keys = [tkey(tenant, "seen"), tkey(tenant, "served")]
+        rows = []
+        for item in items:
+            t = item.traits
+            version = "" if t is None else _version_field(t.version)
+            keys += [tkey(tenant, "ix", item.interaction_id), tkey(tenant, "pending", item.interaction_id),
+                     tkey(tenant, "distinct", version or "none")]
+            rows.append([item.event_id, item.body, version] + ([0, 0, 0, 0, ""] if t is None else
+                        [int(t.empty), int(t.tool_call), int(t.bad_tool_call), t.length, t.fingerprint]))
+        args = [now, self.policy.interaction_ttl_s, self.policy.dedup_window, DIVERSITY_WINDOW, to_json(rows)]
+        return _ScriptCall(self._store, keys, args, _parked_lists)
 
     def _park_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
                    recent: str) -> "_ScriptCall":
@@ -472,7 +511,7 @@ class ReplayBuffer:
         keys = [tkey(tenant, "seen"), tkey(tenant, "stats"), tkey(tenant, "recent")] + self._example_keys(tenant)
         guards: dict[str, int] = {}
         eviction = "fifo" if self.policy.eviction == "fifo" else f"random:{random.getrandbits(31)}"
-        args: list = [now, capacity or self.policy.capacity, eviction, self.policy.dedup_window, len(items)]
+        events = []
         for item in items:
             guard = 0
             if item.parked_for is not None:
@@ -480,10 +519,11 @@ class ReplayBuffer:
                     guards[item.parked_for] = len(guards) + 1
                     keys.append(tkey(tenant, "pending", item.parked_for))
                 guard = guards[item.parked_for]
-            args += [item.event_id, guard, item.recent, item.untrained, len(item.examples)]
-            for ex in item.examples:
-                held = "1" if is_heldout(holdout_key(ex), self.policy.holdout_fraction) else "0"
-                args += [EXAMPLE_KINDS.index(ex.kind), ex.example_id, held, ex.model_dump_json(), _tally(ex)]
+            events.append([item.event_id, guard, item.recent, item.untrained,
+                           [[EXAMPLE_KINDS.index(ex.kind), ex.example_id,
+                             int(is_heldout(holdout_key(ex), self.policy.holdout_fraction)), ex.model_dump_json(),
+                             _tally(ex)] for ex in item.examples]])
+        args = [now, capacity or self.policy.capacity, eviction, self.policy.dedup_window, to_json(events)]
         return _ScriptCall(self._add, keys, args, _stored_flags)
 
     # --- reads (learner, console, metrics) ------------------------------------------------
@@ -583,10 +623,21 @@ class ReplayBuffer:
         # An id can vanish between the two reads if it was evicted meanwhile: skip it.
         return [_EXAMPLE.validate_json(raw) for raw in raws if raw is not None]
 
+    def depths(self, tenants: list[str]) -> dict[str, dict[str, int]]:
+        """Each tenant's training-buffer depth per kind (`{"acme": {"sft": 3, "preference": 1,
+        "rl": 0}}`), in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for tenant in tenants:
+            for kind in EXAMPLE_KINDS:
+                pipe.zcard(tkey(tenant, "buf", kind))
+        counts = iter(pipe.execute())
+        return {tenant: {kind: next(counts) for kind in EXAMPLE_KINDS} for tenant in tenants}
+
     def tenants_with_data(self) -> list[str]:
-        """Tenants that have a stats hash (had at least one example). For metrics."""
+        """Tenants that have a stats hash (had at least one example). For metrics: it scans the
+        whole keyspace, so callers run it seldom."""
         out = []
-        for key in self.r.scan_iter(match=tkey("*", "stats"), count=1000):
+        for key in self.r.scan_iter(match=tkey("*", "stats"), count=10_000):
             k = key.decode()
             out.append(k[k.index("{") + 1:k.index("}")])
         return sorted(out)
@@ -614,7 +665,11 @@ class BufferBatch:
 
     def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
                           traits: ReplyTraits | None = None) -> None:
-        self._queue(self._buffers._store_call(tenant, event_id, interaction_id, body, now=now, traits=traits))
+        call = self._buffers._store_call(tenant, [InteractionWrite(event_id, interaction_id, body, traits)], now=now)
+        self._queue(replace(call, decode=lambda reply: _parked_lists(reply)[0]))
+
+    def store_interactions(self, tenant: str, items: list[InteractionWrite], *, now: float) -> None:
+        self._queue(self._buffers._store_call(tenant, items, now=now))
 
     def park_feedback(self, tenant: str, event_id: str, interaction_id: str, body: str,
                       *, now: float, recent: str = "") -> None:

@@ -128,7 +128,9 @@ class InteractionEvent(_Event):
         (it would arrive as null and the worker would refuse the event): it is recorded as
         `LOGPROB_FLOOR`, a probability of 0 to any float32. NaN says nothing about the policy:
         the logprobs are then dropped and the samples trained as if none were recorded."""
-        if lps is None or all(math.isfinite(x) for x in lps):
+        # A NaN or an infinity makes the sum one: summed in C, not a Python step per token. Only
+        # a sum that overflowed (or a non-finite value) checks token by token.
+        if lps is None or math.isfinite(sum(lps)) or all(math.isfinite(x) for x in lps):
             return lps
         if any(math.isnan(x) or x == math.inf for x in lps):
             return None

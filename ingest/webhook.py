@@ -30,7 +30,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -97,20 +99,23 @@ class Authenticator:
         return tenant
 
 
-class OwnerLookup:
-    """Interaction id -> the tenant it was served to, on an asyncio Redis client. Lookups
-    that arrive while one MGET is in flight share the next one, so N concurrent requests cost
-    about two round trips instead of N."""
+class CoalescedLookup:
+    """Per-item calls (`fetch(client, items) -> one answer per item`) on an asyncio Redis client.
+    Calls that arrive while one is in flight share the next one, so N concurrent requests cost
+    about two round trips instead of N. Used for the interactions' owners and the bare ids of
+    n > 1 responses (`clora.registry`)."""
 
-    def __init__(self, client):
-        self.client = client
-        self._waiting: list[tuple[list[str], asyncio.Future]] = []
+    def __init__(self, client, fetch: Callable[[Any, list], Awaitable[list]]):
+        self.client, self.fetch = client, fetch
+        self._waiting: list[tuple[list, asyncio.Future]] = []
         self._running = False
         self._task: asyncio.Task | None = None
 
-    async def owners(self, interaction_ids: list[str]) -> list[str | None]:
+    async def __call__(self, ids: list) -> list:
+        if not ids:
+            return []
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((interaction_ids, future))
+        self._waiting.append((ids, future))
         if not self._running:
             self._running = True
             self._task = asyncio.get_running_loop().create_task(self._drain())   # a reference keeps it alive
@@ -121,7 +126,7 @@ class OwnerLookup:
             while self._waiting:
                 batch, self._waiting = self._waiting, []
                 try:
-                    found = await fetch_interaction_owners(self.client, [i for ids, _ in batch for i in ids])
+                    found = await self.fetch(self.client, [i for ids, _ in batch for i in ids])
                 except Exception as e:  # every waiter gets the error: none is answered 202
                     for _, future in batch:
                         if not future.done():
@@ -129,9 +134,9 @@ class OwnerLookup:
                     continue
                 at = 0
                 for ids, future in batch:
-                    owners, at = found[at:at + len(ids)], at + len(ids)
+                    answers, at = found[at:at + len(ids)], at + len(ids)
                     if not future.done():
-                        future.set_result(owners)
+                        future.set_result(answers)
         finally:
             self._running = False
 
@@ -180,7 +185,8 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
     """The webhook app. `async_redis` (a `redis.asyncio` client on the registry's Redis) serves
     the per-request lookups (interaction owners, quotas) without blocking the event loop."""
 
-    lookup = OwnerLookup(async_redis)
+    owners_of = CoalescedLookup(async_redis, fetch_interaction_owners)
+    multi_choice_of = CoalescedLookup(async_redis, fetch_multi_choice)
     quota = TenantQuota(async_redis, settings)
 
     @contextlib.asynccontextmanager
@@ -219,9 +225,9 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
             return f"records.{i}.interaction_id" if batch else "interaction_id"
 
         try:
-            owners = await lookup.owners([rec.interaction_id for rec in records])
+            owners = await owners_of([rec.interaction_id for rec in records])
             unowned = [i for i, owner in enumerate(owners) if owner is None]
-            multi = await fetch_multi_choice(async_redis, [records[i].interaction_id for i in unowned])
+            multi = await multi_choice_of([records[i].interaction_id for i in unowned])
         except RedisError as e:
             raise _registry_unavailable(e) from e
         for i, owner in enumerate(owners):

@@ -37,18 +37,23 @@ from clora.registry import LearningPolicy, Registry, RegistryError
 from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
-from clora.ingest.buffers import BufferPolicy, ParkResult, PendingWrite, ReplayBuffer
+from clora.ingest.buffers import BufferPolicy, InteractionWrite, ParkResult, PendingWrite, ReplayBuffer
 from clora.ingest.joiner import build_examples, untrained_reason
 from clora.ingest.producer import EventProducer
 from clora.ingest.reports import record_dead_letters
 from clora.ingest.signals import ReplyTraits
-from clora.ingest.schemas import (EXAMPLE_KINDS, TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
+from clora.ingest.schemas import (TOPIC_DLQ, TOPIC_FEEDBACK, TOPIC_INTERACTIONS,
                                   DeadLetter, FeedbackEvent, InteractionEvent)
 
 log = logging.getLogger(__name__)
 
 FAULT_EXIT_CODE = 75
 """Exit code of the injected crash between storing a batch and committing it (`crash_after_store_file`)."""
+TENANT_SCAN_S = 30.0
+"""How often the worker lists the tenants whose buffer depths it exports (a SCAN of the whole
+keyspace, which grows with every interaction kept: run on every 2 s gauge update it held up
+the batches behind it). Tenants the worker stores examples for are added as it does; another
+worker's new tenant shows within this many seconds."""
 POLICY_CACHE_S = 5.0
 """How long a worker keeps a tenant's learning policy: an edit (buffer capacity, reward spec)
 applies to what it stores within this many seconds."""
@@ -112,6 +117,9 @@ class IngestWorker:
         self._committed: dict[TopicPartition, int] = {}
         """The next offset of each partition after what this worker committed: its lag gauge's base."""
         self.heartbeat = heartbeat or Heartbeat(None)
+        self._depth_tenants: set[str] = set()
+        """The tenants whose buffer depths the gauges export (`TENANT_SCAN_S`)."""
+        self._depth_tenants_at = -TENANT_SCAN_S
 
     # --- consumer loop --------------------------------------------------------------------
 
@@ -202,9 +210,12 @@ class IngestWorker:
             high, committed = consumer.highwater(tp), self._committed.get(tp)
             if high is not None and committed is not None:
                 metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
-        for tenant in self.buffers.tenants_with_data():
-            for kind in EXAMPLE_KINDS:
-                metrics.BUFFER_DEPTH.labels(tenant, kind).set(self.buffers.depth(tenant, kind))
+        if time.monotonic() - self._depth_tenants_at >= TENANT_SCAN_S:
+            self._depth_tenants.update(self.buffers.tenants_with_data())
+            self._depth_tenants_at = time.monotonic()
+        for tenant, depths in self.buffers.depths(sorted(self._depth_tenants)).items():
+            for kind, depth in depths.items():
+                metrics.BUFFER_DEPTH.labels(tenant, kind).set(depth)
 
     # --- one batch ------------------------------------------------------------------------
 
@@ -242,16 +253,20 @@ class IngestWorker:
         if not interactions:
             return
         now = time.time()
-        batch = self.buffers.batch()
+        by_tenant: dict[str, list[InteractionEvent]] = defaultdict(list)
         for ix in interactions:
-            batch.store_interaction(ix.tenant, ix.event_id, ix.interaction_id, ix.model_dump_json(), now=now,
-                                    traits=ReplyTraits.of(ix))   # the reward-hacking guard's signals
-        parked_lists = batch.execute()
+            by_tenant[ix.tenant].append(ix)
+        batch = self.buffers.batch()
+        for tenant, mine in by_tenant.items():     # one script call per tenant
+            # each reply's traits: the reward-hacking guard's signals
+            batch.store_interactions(tenant, [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json(),
+                                                               traits=ReplyTraits.of(ix)) for ix in mine], now=now)
+        parked_lists = [parked for per_tenant in batch.execute() for parked in per_tenant]
         metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
         # Feedback that arrived before its interaction: apply it now (guarded by removal
         # from the parked hash, so a second drain of the same feedback stores nothing).
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
-        for ix, parked in zip(interactions, parked_lists):
+        for ix, parked in zip([ix for mine in by_tenant.values() for ix in mine], parked_lists, strict=True):
             for body in parked:
                 fb = FeedbackEvent.model_validate_json(body)
                 # no recent-list entry: it was listed when it was parked
@@ -260,6 +275,7 @@ class IngestWorker:
             batch = self.buffers.batch()
             for tenant, items in writes.items():
                 batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
+            self._depth_tenants.update(writes)
             flags = [stored for per_tenant in batch.execute() for stored in per_tenant]
             _count_untrained([item for items in writes.values() for item in items], flags)
 
@@ -289,6 +305,7 @@ class IngestWorker:
                                 now=now, recent=_recent(fb))
         for tenant, items in writes.items():
             batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
+        self._depth_tenants.update(writes)
         results = batch.execute()
         park_results: list[ParkResult] = results[:len(parked)]
         add_results = [stored for flags in results[len(parked):] for stored in flags]

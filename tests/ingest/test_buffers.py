@@ -247,3 +247,23 @@ def test_untrained_feedback_is_counted_once_per_event_by_reason(redis_client, te
     assert buf.untrained_feedback(tenant_id) == {"unknown_key": 2, "out_of_range": 1, "untrusted_source": 1}
     assert buf.stats(tenant_id)["added"] == 2 and buf.depth(tenant_id, "rl") + buf.depth(tenant_id, "rl", heldout=True) == 1
     assert [f["event_id"] for f in buf.recent_feedback(tenant_id)] == ["fb1"]   # stored and listed
+
+
+def test_interactions_stored_in_one_call_each_count_once_and_drain_their_own_parked_feedback(redis_client,
+                                                                                             tenant_id):
+    from clora.ingest.buffers import InteractionWrite
+    from clora.ingest.schemas import FeedbackEvent, FeedbackIn, InteractionEvent
+    from clora.ingest.signals import ReplyTraits
+
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+    fb = FeedbackEvent.accept(tenant_id, FeedbackIn(interaction_id="i2", event_id="f2", score=1.0))
+    assert buf.park_feedback(tenant_id, fb.event_id, "i2", fb.model_dump_json(), now=time.time()) == 1
+    ixs = [InteractionEvent(tenant=tenant_id, interaction_id=f"i{i}", adapter_version=1,
+                            messages=[{"role": "user", "content": "q"}], response={"role": "assistant", "content": "a"})
+           for i in range(3)]
+    writes = [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json(), ReplyTraits.of(ix)) for ix in ixs]
+    parked = buf.store_interactions(tenant_id, writes + writes[:1], now=time.time())   # i0 twice in one call
+    assert [[FeedbackEvent.model_validate_json(b).event_id for b in bodies] for bodies in parked] == [[], [], ["f2"], []]
+    assert buf.store_interactions(tenant_id, writes, now=time.time())[2] == parked[2]   # redelivered: still parked
+    assert buf.served_signals(tenant_id)[1].n == 3
+    assert buf.stored_interactions([(tenant_id, "i1"), (tenant_id, "i3")]) == [ixs[1], None]

@@ -117,3 +117,5 @@ def test_an_interactions_non_finite_logprobs_survive_its_trip_through_json():
     assert floored.completion_logprobs == [-0.5, LOGPROB_FLOOR, -2.0]
     for bad in (float("nan"), float("inf")):
         assert InteractionEvent.model_validate_json(event([-0.5, bad, -2.0]).model_dump_json()).completion_logprobs is None
+    # finite logprobs whose sum overflows are kept as they are (the validator sums them first)
+    assert event([-1e308, -1e308, -1.0]).completion_logprobs == [-1e308, -1e308, -1.0]
