@@ -16,4 +16,6 @@ no part imports it.
 | `bench_platform` | fresh platforms for those benchmarks (`PlatformLauncher`) and where they answer |
 | `cluster` | `Cluster`: every service its own process on one machine, sharing only broker, Redis and an S3 store |
 | `scale_bench` | `clora bench scale`: ingest and serving with 1 vs 2 instances, a learner's failover |
+| `tenants_bench` | `clora bench tenants`: many tenants' adapters over a replica's slots, vs in-cache |
+| `fairness_bench` | `clora bench fairness`: 10:1 skew, served and trained tokens' fair shares, off vs on |
 """

@@ -11,6 +11,8 @@
     clora bench experiments           # N RL experiments: one after another vs at once
     clora bench freshness             # feedback -> served latency under a steady stream, p50 / p99
     clora bench scale                 # 1 vs 2 instances of ingest and serving, learner failover
+    clora bench fairness              # 10:1 skew: fair shares of served and trained tokens, off vs on
+    clora bench tenants               # 16-256 tenants' adapters over a replica's slots, vs in-cache
 
 Every command reads the same settings (`CLORA_*` environment variables, see
 infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those.
@@ -478,16 +480,21 @@ def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo
 
 @bench_app.command("experiments")
 def bench_experiments(
-        n: str = typer.Option("1,2,4,8", "--n", help="Experiment counts N (comma-separated)"),
-        steps: int = typer.Option(5, help="Steps K per experiment"),
-        group_size: int = typer.Option(4, help="Episodes per prompt (GRPO group)"),
-        prompts_per_step: int = typer.Option(2, help="Prompts per step"),
+        preset: str = typer.Option("speed", help="speed (short steps, for the speedup at N = 8) or learn (16 "
+                                   "wider steps at lr 3e-4, N = 1,4: a visible reward rise; needs --init-adapter); "
+                                   "the options below override it"),
+        n: str = typer.Option(None, "--n", help="Experiment counts N (comma-separated; speed: 1,2,4,8)"),
+        steps: int = typer.Option(None, help="Steps K per experiment (speed: 5)"),
+        group_size: int = typer.Option(None, help="Episodes per prompt (GRPO group; speed: 4)"),
+        prompts_per_step: int = typer.Option(None, help="Prompts per step (speed: 2)"),
         max_tokens: int = typer.Option(48, help="max_tokens per model call"),
         max_turns: int = typer.Option(3, help="Model calls per episode at most"),
         temperature: float = typer.Option(1.0, help="Sampling temperature of the rollouts"),
         algorithm: str = typer.Option("rl", help="rl (rewards, GRPO-style) or sft (operator corrections)"),
-        difficulty: str = typer.Option("easy", help="easy | medium | hard | mixed"),
-        learning_rate: float = typer.Option(1e-3, help="Learner learning rate"),
+        difficulty: str = typer.Option(None, help="easy | medium | hard | mixed (speed: easy)"),
+        learning_rate: float = typer.Option(None, help="Learner learning rate (speed: 1e-3)"),
+        reward_threshold: float = typer.Option(0.8, help="Report each mode's time until every experiment had a "
+                                               "step whose rollouts averaged at least this reward"),
         model: str = typer.Option("smollm2", help="smollm2 or a local HF model directory"),
         models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
         training_mode: str = typer.Option("serial", help="Learner training mode: serial or fused"),
@@ -500,19 +507,25 @@ def bench_experiments(
                                          "experiment's tenant starts from (served as v1 before step 1)"),
         log_level: str = "WARNING"):
     """N RL experiments of K steps on arithmetic tool use: one after another on fresh platforms
-    (cold) vs all at once on one warm platform. Prints a table, writes JSON and a reward plot."""
+    (cold) vs all at once on one warm platform. Prints a table (with the step growth B's measured
+    core-seconds allow) and the reward curves, writes JSON and a reward plot."""
     from clora.infra.experiments import BenchConfig, main as run_bench
 
     _logging(log_level)
     try:
-        config = BenchConfig(
-            ns=tuple(int(x) for x in n.split(",") if x.strip()), steps=steps, group_size=group_size,
-            prompts_per_step=prompts_per_step, max_tokens=max_tokens, max_turns=max_turns, temperature=temperature,
-            algorithm=_choice("--algorithm", algorithm, ("rl", "sft")),
-            difficulty=None if difficulty == "mixed" else _choice("--difficulty", difficulty, ("easy", "medium", "hard")),
-            learning_rate=learning_rate, model=model, models_dir=models_dir,
+        given = {k: v for k, v in {"steps": steps, "group_size": group_size, "prompts_per_step": prompts_per_step,
+                                   "learning_rate": learning_rate}.items() if v is not None}   # the rest: the preset's
+        if n is not None:
+            given["ns"] = tuple(int(x) for x in n.split(",") if x.strip())
+        if difficulty is not None:
+            given["difficulty"] = None if difficulty == "mixed" else \
+                _choice("--difficulty", difficulty, ("easy", "medium", "hard"))
+        config = BenchConfig.from_preset(
+            preset, **given, max_tokens=max_tokens, max_turns=max_turns, temperature=temperature,
+            algorithm=_choice("--algorithm", algorithm, ("rl", "sft")), model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
-            step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter)
+            step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter,
+            reward_threshold=reward_threshold)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e
@@ -604,6 +617,67 @@ def bench_scale(
         config = ScaleBenchConfig(model=model, events=events, batch=batch, clients=clients, requests=requests,
                                   concurrency=concurrency, max_tokens=max_tokens, lease_ttl_s=lease_ttl,
                                   partitions=partitions, out=out, keep=keep)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
+@bench_app.command("tenants")
+def bench_tenants(
+        base: str = typer.Option("tiny", help="tiny, smollm2 or a local HF model directory"),
+        tenants: str = typer.Option("16,64,256", help="Tenant counts, each with its own live adapter version"),
+        mix: str = typer.Option("zipf,uniform", help="Popularity mixes: zipf, uniform"),
+        working_sets: str = typer.Option("1,2,4", help="Adapters in use, as multiples of --slots (1: in-cache)"),
+        slots: int = typer.Option(8, help="The replica's adapter slots (max_cpu_loras)"),
+        registered: int = typer.Option(0, help="max_registered_loras: adapters kept loaded, vLLM caching --slots "
+                                               "of them (0: the engine's default, --slots)"),
+        rounds: int = typer.Option(1, help="Rounds over the working sets; each cell reports its median"),
+        canary_every_load: bool = typer.Option(False, help="Verify every re-load again (EngineSettings.canary_every_load)"),
+        requests: int = typer.Option(64, help="Measured requests per cell"),
+        concurrency: int = typer.Option(8, help="Requests in flight"),
+        max_tokens: int = typer.Option(16, help="Tokens per completion (ignore_eos: exactly this many)"),
+        zipf_s: float = typer.Option(1.1, help="Zipf exponent"),
+        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
+        out: str = typer.Option("bench-results/tenants.json", help="JSON output"),
+        log_level: str = "WARNING"):
+    """Many tenants on one replica: tokens/s, p50/p99 latency and time to first token with 1x, 2x
+    and 4x the replica's adapter slots in use, against the in-cache case. Prints a table, writes JSON."""
+    from clora.infra.tenants_bench import TenantsBenchConfig, main as run_bench
+
+    _logging(log_level)
+    try:
+        config = TenantsBenchConfig(
+            base=base, tenants=tuple(int(x) for x in tenants.split(",") if x.strip()),
+            mixes=tuple(x.strip() for x in mix.split(",") if x.strip()),
+            working_sets=tuple(int(x) for x in working_sets.split(",") if x.strip()), slots=slots,
+            registered=registered or None, rounds=rounds, canary_every_load=canary_every_load, requests=requests, concurrency=concurrency, max_tokens=max_tokens, zipf_s=zipf_s, models_dir=models_dir,
+            out=out)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from e
+    run_bench(config)
+
+
+@bench_app.command("fairness")
+def bench_fairness(
+        seconds: float = typer.Option(40.0, help="Length of each serving phase (baseline, then fair)"),
+        slots: int = typer.Option(8, help="The engine's sequence slots (max_num_seqs): each tenant's quota"),
+        light_tokens: int = typer.Option(16, help="Tokens per light request; heavy's are --skew times as many"),
+        skew: int = typer.Option(10, help="Heavy's offered load / light's"),
+        window_s: float = typer.Option(None, help="Sliding window of Jain's index (default: a third of a phase)"),
+        learner_minutes: float = typer.Option(30.0, help="Simulated training time per learner phase"),
+        out: str = typer.Option("bench-results/fairness.json", help="JSON output"),
+        log_level: str = "WARNING"):
+    """Fair shares under a 10:1 skew: served tokens through the real gateway and vLLM, and trained
+    tokens from the learner's scheduler, with fairness off and on in one run; Jain's index over
+    sliding windows, per-tenant tokens and waits. Prints a table, writes JSON."""
+    from clora.infra.fairness_bench import FairnessBenchConfig, main as run_bench
+
+    _logging(log_level)
+    try:
+        config = FairnessBenchConfig(seconds=seconds, slots=slots, light_tokens=light_tokens, skew=skew,
+                                     window_s=window_s, learner_minutes=learner_minutes, out=out)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

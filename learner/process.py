@@ -305,7 +305,7 @@ class Learner:
             st.lineage = (st.lineage or VersionLineage()).extended(
                 ((e.feedback_event_id, e.accepted_at) for e in fresh), self.s.lineage_max_events)
         self.tenants[tid].dirty = True
-        self.scheduler.record(tid, result.seconds)
+        self.scheduler.record(tid, result.seconds, tokens=result.tokens)
         m = self.metrics
         m.steps.labels(tid, policy.algorithm).inc()
         m.tokens.labels(tid).inc(result.tokens)

@@ -15,6 +15,7 @@ live LoRA adapter version.
 | `replica`       | one vLLM server, a local child process or a remote URL, and the HTTP calls made to it |
 | `canary`        | verifying a freshly loaded adapter on a replica with its version's canary (`clora.canary`) |
 | `residency`     | registered vs resident adapters of one replica (LRU, pins), and the adapters it refused |
+| `fair_queue`    | fair admission: engine sequences in flight, queued per tenant, weighted fair over tokens |
 | `quota`         | per-tenant concurrency (requests, sequences, pinned versions) and rate limits (429) |
 | `record_quota`  | per-tenant byte quota on recorded messages and tools (429) |
 | `quota_store`   | where both quotas count: Redis, shared by every gateway, or local; the fallback when Redis fails |

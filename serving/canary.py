@@ -27,6 +27,7 @@ async def run_canary(http: httpx.AsyncClient, replica: Replica, ref: AdapterRef,
     `base_model` (one after the other: not batched together, where vLLM's own CPU LoRA ops would
     give the base row an adapter), and judge them. Raises `ReplicaError` when the replica does
     not answer."""
+    replica.adapter_ops["canary"] += 1
     prompt = ref.canary.prompt_token_ids if ref.canary is not None else FALLBACK_PROMPT
     adapter = await replica.prompt_logprobs(http, ref.name, prompt, timeout_s)
     base = await replica.prompt_logprobs(http, base_model, prompt, timeout_s)

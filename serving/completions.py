@@ -212,6 +212,10 @@ class Recorder:
 
     # --- events -------------------------------------------------------------------------
 
+    def generated_tokens(self) -> int:
+        """Tokens generated so far, over every choice."""
+        return sum(len(c.token_ids) for c in self.choices.values())
+
     @property
     def choices_asked(self) -> int:
         return int(self.body.get("n") or 1)

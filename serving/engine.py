@@ -10,16 +10,22 @@ loaded, and verified before it takes traffic.
 Owns
 - starting/stopping the local replicas and a health monitor over all of them;
 - routing: `lease(ref)` picks a healthy replica that is not out of rotation for `ref`, preferring
-  one where `ref`'s adapter is resident unless it has `resident_slack` more requests in flight
-  than the least loaded one, then the least loaded (one with a free adapter slot on a tie); makes
-  sure the adapter is resident there (loading it on demand, evicting the least recently used idle
-  adapter when the replica's `max_cpu_loras` slots are full) and pins it for the duration of the
-  request, so it can be neither evicted nor retired mid-request;
-- verifying every load with the version's canary (`clora.serving.canary`, `clora.canary`): a
-  replica that fails the load or the canary is out of rotation *for that adapter* (its
-  `Refusals`), retried after a doubling wait, counted by reason (`Replica.load_failures`, the
-  metric `clora_engine_adapter_load_failures`) and shown on the console (`report`); other
-  adapters still route to it;
+  one where `ref`'s adapter is resident (warm in vLLM's memory first, `ResidentSet.warm`) unless it
+  has `resident_slack` more requests in flight than the least loaded one, then the least loaded
+  (one with a free adapter slot on a tie); makes sure the adapter is resident there (loading it on
+  demand, evicting the least recently used idle adapter when the replica's
+  `EngineSettings.registered_loras` slots are full) and pins it for the duration of the request,
+  so it can be neither evicted nor retired mid-request. With `max_registered_loras` above
+  `max_cpu_loras`, vLLM's own cache does the swapping below that: it re-reads a resident
+  adapter's folder when a request needs it;
+- verifying each version's first load on a replica with its canary (`clora.serving.canary`,
+  `clora.canary`); a re-load after an eviction, from the same folder, on the same replica since it
+  last (re)started or rejoined, is not verified again (`ResidentSet.verified`; a 404 for a name
+  the replica was believed to hold resets that replica's record). A replica that fails the load
+  or the canary is out of rotation *for that adapter* (its `Refusals`), retried after a doubling
+  wait, counted by reason (`Replica.load_failures`, the metric
+  `clora_engine_adapter_load_failures`) and shown on the console (`report`); other adapters
+  still route to it;
 - `preload(ref)` (hot swap: load a new version into every healthy replica before the alias
   switches; it switches when at least one replica took it) and `retire(ref)` (wait until no
   request pins the old version, then unload it everywhere);
@@ -192,7 +198,8 @@ class EngineManager:
         live = self.live_refs()
         rank = {name: i for i, name in enumerate(recent)}
         live.sort(key=lambda ref: rank.get(ref.name, len(rank)))
-        for ref in reversed(live[: r.resident.capacity - len(r.resident)]):
+        room = r.resident.cached - len(r.resident)  # what vLLM keeps in memory; the rest on demand
+        for ref in reversed(live[: max(0, room)]):
             try:
                 await self._make_resident(r, ref, pin=False)
             except AdapterLoadError as e:
@@ -252,10 +259,14 @@ class EngineManager:
     def adapter_missing(self, lease: Lease) -> None:
         """The replica answered 404 to a request for an adapter it was believed to hold: another
         gateway sharing it unloaded that version (it retired it), or the replica restarted between
-        two health checks. Forget it there, so that the next request loads and verifies it again."""
-        if lease.ref is not None and lease.replica.resident.remove(lease.ref.name) is not None:
-            log.warning("%s no longer holds %s (404): it is loaded again on the next request", lease.replica.describe(),
-                        lease.ref.name)
+        two health checks. Forget it there, so that the next request loads and verifies it again;
+        nothing loaded there counts as verified any more (it may be a new incarnation)."""
+        if lease.ref is None:
+            return
+        lease.replica.resident.forget_verified()
+        if lease.replica.resident.remove(lease.ref.name) is not None:
+            log.warning("%s no longer holds %s (404): it is loaded and verified again on the next request",
+                        lease.replica.describe(), lease.ref.name)
 
     def _pick(self, ref: AdapterRef | None, exclude: set[int] = frozenset()) -> Replica:
         """Resident first (within `resident_slack` requests of the least loaded), then the least
@@ -271,7 +282,8 @@ class EngineManager:
             why = "; ".join(f"{r.describe()}: {x.detail}" for r in healthy if (x := r.refused.get(ref.name)))
             raise AdapterLoadError(f"every healthy replica is out of rotation for {ref.name}: {why or 'refused it'}")
         least = min(r.in_flight for r in usable)
-        resident = [r for r in usable if ref.name in r.resident]
+        resident = ([r for r in usable if r.resident.warm(ref.name)]
+                    or [r for r in usable if ref.name in r.resident])
         if resident:
             best = min(resident, key=lambda r: r.in_flight)
             if best.in_flight <= least + self.settings.resident_slack:
@@ -321,11 +333,13 @@ class EngineManager:
         """Load `ref` from `folder` into `replica` and check its canary (`replica.lock` held).
         A refusal (vLLM refused the folder, the canary failed) puts the replica out of rotation for
         `ref` and raises a non-transient AdapterLoadError; a replica that gave no answer (died,
-        unreachable) raises a transient one and goes to the monitor."""
+        unreachable) raises a transient one and goes to the monitor. No canary when this replica
+        verified `ref` from `folder` before (since it last started) and this call loaded it: a
+        name vLLM already held (another gateway loaded it) is verified whatever it holds."""
         name = ref.name
         what = f"{name} (tenant {ref.tenant} v{ref.version}) from {ref.path} on {replica.describe()}"
         try:
-            await replica.load_adapter(self.http, name, folder)
+            loaded = await replica.load_adapter(self.http, name, folder)
         except ReplicaError as e:
             self._unanswered(replica, e)
             if e.unreachable or not replica.alive():
@@ -333,6 +347,10 @@ class EngineManager:
             self._refuse(replica, name, "load", str(e))
             raise AdapterLoadError(f"loading {what} failed: {e}") from e
         if ref is self.zero_ref:
+            return
+        if loaded and not self.settings.canary_every_load and replica.resident.verified(name, folder):
+            replica.adapter_ops["canary_skipped"] += 1
+            log.info("re-loaded %s (verified on this replica before)", what)
             return
         try:
             verdict = await run_canary(self.http, replica, ref, base_model=self.base_model,
@@ -349,6 +367,7 @@ class EngineManager:
             self._refuse(replica, name, CANARY_REASONS[verdict.outcome], verdict.reason)
             raise AdapterLoadError(f"{what} failed its canary: {verdict.reason}")
         replica.refused.clear(name)
+        replica.resident.mark_verified(name, folder)
         if verdict.outcome in ("matched", "applied"):
             log.info("loaded %s: %s", what, verdict.reason)
         else:
@@ -419,6 +438,7 @@ class EngineManager:
                         self.pins(ref.name), drain_timeout_s)
         for r in self.replicas:
             r.refused.clear(ref.name)
+            r.resident.forget_verified(ref.name)
             async with r.lock:
                 if ref.name in r.resident and r.resident.pins(ref.name) == 0:
                     try:

@@ -15,6 +15,12 @@ response `id` is the interaction id: it is claimed in the registry for the calle
 before the response is sent, and feedback names it.
 The first completion answered with each adapter version starts its freshness measurement
 (`clora.serving.freshness`), off the request path.
+
+A request holds, in this order: its tenant's quota slot (`clora.serving.quota`: 429 past a
+per-tenant limit), its place among the engine sequences in flight (`clora.serving.fair_queue`,
+with `fair_admission`: it may wait there, in weighted fair order across tenants), then its engine
+lease. A request waiting in the fair queue therefore already counts against its tenant's quota and
+pinned-version limit, and one cancelled there gives back both.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from clora.serving import errors, tinker_sampling
 from clora.serving.aliases import AdapterRef
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable, Lease
+from clora.serving.fair_queue import FairQueue, TenantWeights, Ticket
 from clora.serving.freshness import FreshnessTracker
 from clora.serving.hotswap import HotSwapper
 from clora.serving.interactions import InteractionLogger
@@ -92,6 +99,18 @@ class Admitted:
     """`messages` and `tools` as JSON (the `RecordQuota` charge)."""
     sequences: int
     """`n`: the engine sequences it holds while in flight."""
+    max_tokens: int
+    """The most tokens each of its sequences generates (what fair admission charges up front)."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """What `Gateway._hold` took for one request, each released when its stack closes."""
+
+    lease: Lease
+    ticket: Ticket | None
+    """Its place in the fair queue (None: `fair_admission` off). The request sets
+    `ticket.generated` once it knows, so that its tenant is charged what it got."""
 
 
 class Unrecorded(RuntimeError):
@@ -123,6 +142,15 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.limits = tenant_limits(self.engine.settings, self.settings)
+        es = self.engine.settings
+        capacity = self.settings.fair_sequences or es.replica_count * es.max_num_seqs
+        if capacity < self.limits.n:
+            raise ValueError(f"fair_sequences {capacity} is less than the largest n a tenant may ask for "
+                             f"({self.limits.n}): such a request could never be sent")
+        self.fair = FairQueue(capacity)
+        """Engine sequences in flight across tenants, and the requests waiting for them (used
+        while `settings.fair_admission` is on: a benchmark may turn it off and on)."""
+        self.weights = TenantWeights(self.registry, self.settings.tenant_refresh_s)
         if self.quota_store is None:
             self.quota_store = QuotaStore.local()
         if self.quota is None:
@@ -217,7 +245,8 @@ class Gateway:
             if name == "episode_id" and n > 1:
                 raise errors.bad_request(f"metadata.episode_id: a request with n = {n} starts {n} episodes; it "
                                          "cannot continue one", "metadata.episode_id")
-        return Admitted(messages, recorded, n)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.limits.max_tokens
+        return Admitted(messages, recorded, n, max_tokens)
 
     async def resolve(self, principal: ApiKeyPrincipal, model: str) -> AdapterRef | None:
         """The adapter `model` names for this caller (None: the base model)."""
@@ -265,16 +294,21 @@ class Gateway:
             self._released.notify_all()
 
     async def _hold(self, stack: contextlib.AsyncExitStack, tenant: str, ref: AdapterRef | None,
-                    sequences: int) -> Lease:
+                    sequences: int, max_tokens: int, request: Request | None = None) -> Held:
         """Take everything a request holds, each with its release on `stack`: the quota slot
         (counting a version other than the live one: each pins an adapter slot on a replica, so
-        a tenant may have requests in flight to at most `tenant_pinned_versions` of them), the
-        engine lease (and adapter pin), the in-flight gauge. Whoever closes `stack` releases
-        them all, on every path."""
+        a tenant may have requests in flight to at most `tenant_pinned_versions` of them), its
+        place in the fair queue (`sequences` x `max_tokens` tokens charged until it says what it
+        generated; a `request` whose client leaves while it waits there gives up), the engine
+        lease (and adapter pin), the in-flight gauge. Whoever closes `stack` releases them all,
+        on every path."""
         stack.push_async_callback(self._notify_released)  # runs last: after every release below
         pinned = ref.version if ref is not None and ref != await self.swapper.live_ref(tenant) else None
         slot = await self.quota.acquire(tenant, sequences, pinned)
         stack.push_async_callback(self.quota.release, slot)
+        ticket = await self._admit(tenant, sequences, max_tokens, request) if self.settings.fair_admission else None
+        if ticket is not None:
+            stack.callback(self.fair.release, ticket)
         try:
             lease = await stack.enter_async_context(self.engine.lease(ref))
         except EngineUnavailable as e:
@@ -284,7 +318,43 @@ class Gateway:
         in_flight = self.metrics.in_flight.labels(tenant)
         in_flight.inc()
         stack.callback(in_flight.dec)
-        return lease
+        return Held(lease, ticket)
+
+    async def _admit(self, tenant: str, sequences: int, max_tokens: int, request: Request | None) -> Ticket:
+        """Wait for the request's turn in the fair queue: 503 past `fair_wait_s`; `CLIENT_LEFT`
+        when `request`'s client hangs up first (the server would not cancel a request that
+        answers in one piece), so that an abandoned request never reaches the engine."""
+        weight = await self.weights.get(tenant)
+        admit = asyncio.ensure_future(self.fair.admit(tenant, sequences, sequences * max_tokens, weight))
+        gone = asyncio.ensure_future(_client_gone(request)) if request is not None else None
+        ticket = None
+        try:
+            await asyncio.wait({admit} | ({gone} if gone else set()), timeout=self.settings.fair_wait_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if admit.done():
+                ticket = admit.result()
+        finally:  # timed out, the client gone, or this request cancelled: its place is given back
+            if gone is not None:
+                gone.cancel()
+            if ticket is None:
+                await self._give_up(admit)
+        if ticket is not None:
+            return ticket
+        if gone is not None and gone.done() and not gone.cancelled():
+            raise HttpError(CLIENT_LEFT, "client_closed_request", "the client left while its request waited for "
+                            "its fair turn")
+        raise errors.unavailable(f"the engine is full: tenant {tenant}'s request waited "
+                                 f"{self.settings.fair_wait_s:g} s for its fair turn")
+
+    async def _give_up(self, admit: asyncio.Future) -> None:
+        """Leave the fair queue: the waiting request is withdrawn (or, sent meanwhile, its
+        ticket released)."""
+        admit.cancel()
+        try:
+            ticket = await admit
+        except asyncio.CancelledError:
+            return
+        self.fair.release(ticket)
 
     # --- completions --------------------------------------------------------------------
 
@@ -319,11 +389,16 @@ class Gateway:
         await self.record_quota.charge(principal.tenant, admitted.recorded_bytes)
         stack = contextlib.AsyncExitStack()
         try:
-            lease = await self._hold(stack, principal.tenant, ref, admitted.sequences)
+            held = await self._hold(stack, principal.tenant, ref, admitted.sequences, admitted.max_tokens, request)
+            lease = held.lease
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
                            client_model=ref.name if ref else self.engine.settings.base_name,
                            messages=admitted.messages)
+            if (ticket := held.ticket) is not None:
+                def charge() -> None:  # runs before the ticket's release: the tenant pays what it got
+                    ticket.generated = rec.generated_tokens()
+                stack.callback(charge)
             await asyncio.to_thread(self.registry.claim_response, rid, principal.tenant, rec.choices_asked)
             up = upstream_body(body, kind, lease.model, self.cache_salt(principal.tenant))
             url = lease.replica.url + path
@@ -349,7 +424,7 @@ class Gateway:
             log.exception("interaction %s (tenant %s) could not be recorded", rec.interaction_id, rec.tenant)
             self.metrics.served(rec.tenant, 0, 0, recorded=False)
             raise Unrecorded(f"interaction {rec.interaction_id} could not be recorded: {e!r}") from e
-        generated = sum(len(c.token_ids) for c in rec.choices.values())
+        generated = rec.generated_tokens()
         self.metrics.served(rec.tenant, len(rec.prompt_token_ids or ()), generated,
                             recorded=bool(events) or not rec.choices)
         if self.settings.durable_interactions and pending:
@@ -469,7 +544,8 @@ class Gateway:
             raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
         ref = await self.resolve(principal, admitted.request.model)
         async with contextlib.AsyncExitStack() as stack:
-            lease = await self._hold(stack, principal.tenant, ref, admitted.engine_n)
+            held = await self._hold(stack, principal.tenant, ref, admitted.engine_n, admitted.max_tokens, request)
+            lease = held.lease
             up = tinker_sampling.upstream_body(admitted, lease.model, self.cache_salt(principal.tenant))
             r = await self._post(lease.replica.url + "/v1/completions", up, lease)
             if r.status_code != 200:
@@ -479,6 +555,8 @@ class Gateway:
             except (tinker_sampling.BadEngineResponse, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise HttpError(502, "bad_engine_response", f"engine replica {lease.replica.index} answered "
                                 f"something that is not the samples asked for: {e!r}", type="server_error") from e
+            if held.ticket is not None:
+                held.ticket.generated = sum(len(s["tokens"]) for s in out["sequences"])
         self.metrics.served(principal.tenant, len(admitted.request.prompt),
                             sum(len(s["tokens"]) for s in out["sequences"]), recorded=True)
         return JSONResponse(out)
@@ -523,6 +601,12 @@ class OwnedStream(StreamingResponse):
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
             await self._stack.aclose()
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client of `request` (its body read already) has hung up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error_status(error: Any) -> int:

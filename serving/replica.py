@@ -70,11 +70,15 @@ class Replica:
         self.healthy = False
         self.restarts = 0
         self.in_flight = 0
-        self.resident = ResidentSet(settings.max_cpu_loras)
+        self.resident = ResidentSet(settings.registered_loras, cached=settings.max_cpu_loras)
         self.refused = Refusals(settings.adapter_retry_s, settings.adapter_retry_max_s)
         """Adapters this replica failed to load or verify, out of rotation here until retried."""
         self.load_failures: collections.Counter[str] = collections.Counter()
         """Failed loads and canaries so far, by reason (the metric `clora_engine_adapter_load_failures`)."""
+        self.adapter_ops: collections.Counter[str] = collections.Counter()
+        """Adapter work done on this replica so far: `load` and `unload` calls, `canary` runs and
+        `canary_skipped` (a re-load of a version already verified here, `ResidentSet.verified`).
+        Benchmarks read it to count misses (`clora bench tenants`)."""
         self.lock = asyncio.Lock()
         """Serialises adapter loads/unloads on this replica (the residency bookkeeping must
         match what vLLM holds)."""
@@ -101,6 +105,7 @@ class Replica:
     async def load_adapter(self, http: httpx.AsyncClient, name: str, path: str) -> bool:
         """Load `path` as `name`. Returns False when vLLM already held that name (another gateway
         sharing this replica loaded it): whatever it holds, the caller's canary checks it."""
+        self.adapter_ops["load"] += 1
         try:
             await self._adapter_call(http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, name, path)
         except ReplicaError as e:
@@ -110,6 +115,7 @@ class Replica:
         return True
 
     async def unload_adapter(self, http: httpx.AsyncClient, name: str) -> None:
+        self.adapter_ops["unload"] += 1
         await self._adapter_call(http, "/v1/unload_lora_adapter", {"lora_name": name}, name, None)
 
     async def _adapter_call(self, http: httpx.AsyncClient, route: str, body: dict, name: str, path: str | None) -> None:

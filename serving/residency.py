@@ -2,10 +2,18 @@
 
 An adapter is *registered* with the gateway when some tenant version may be served (its
 folder is known); it is *resident* in a replica when that replica's vLLM server has it
-loaded. A replica holds at most `capacity` resident adapters (vLLM `--max-cpu-loras`).
-`ResidentSet` is the bookkeeping only (no I/O): which names are resident, how many
-in-flight requests pin each one, and which idle one was least recently used, so the engine
-can evict it when a new one must be loaded. A pinned adapter is never evicted.
+loaded: vLLM serves its name, and reads its folder again whenever it needs the weights. Of the
+resident adapters vLLM keeps the `cached` most recently used in memory (`--max-cpu-loras`, its
+own LRU cache); a request for another one makes vLLM re-read that folder, with no call from the
+gateway. A replica holds at most `capacity` resident adapters (`EngineSettings.registered_loras`:
+`max_cpu_loras` unless `max_registered_loras` is larger).
+
+`ResidentSet` is the bookkeeping only (no I/O): which names are resident, how many in-flight
+requests pin each one, which idle one was least recently used (so the engine can evict it when
+a new one must be loaded; a pinned adapter is never evicted), which ones are likely in vLLM's
+memory (`warm`), and which versions passed their canary on this replica since it last started
+(`verified`): re-loading one of those after an eviction needs no second canary. `clear` (the
+replica restarted, or rejoined) forgets both.
 
 `Refusals` is the same kind of bookkeeping for the adapters a replica is out of rotation for:
 its load failed or its canary did not match (`clora.canary`). Each is retried after a wait that
@@ -36,12 +44,24 @@ class Resident:
 
 
 class ResidentSet:
-    def __init__(self, capacity: int):
+    """One replica's resident adapters. Example: `ResidentSet(32, cached=8)` with 32 tenants'
+    versions loaded: all 32 are served there without a load call, the 8 used last are `warm`,
+    and a 33rd evicts the least recently used idle one."""
+
+    def __init__(self, capacity: int, cached: int | None = None):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        cached = capacity if cached is None else cached
+        if not 1 <= cached <= capacity:
+            raise ValueError(f"cached must be in [1, capacity {capacity}], got {cached}")
         self.capacity = capacity
+        """Resident (loaded) adapters at most."""
+        self.cached = cached
+        """Of those, how many vLLM keeps in memory (`--max-cpu-loras`)."""
         self._items: dict[str, Resident] = {}
         self._clock = itertools.count(1)
+        self._verified: dict[str, str] = {}
+        """Name -> the folder it was loaded from when it passed its canary here, since `clear`."""
 
     def __contains__(self, name: str) -> bool:
         return name in self._items
@@ -57,9 +77,16 @@ class ResidentSet:
         r = self._items.get(name)
         return r.pins if r else 0
 
+    def warm(self, name: str) -> bool:
+        """Whether `name` is resident and among the `cached` most recently used: as far as the
+        gateway can tell, vLLM serves it from memory without re-reading its folder."""
+        r = self._items.get(name)
+        return r is not None and sum(o.last_used > r.last_used for o in self._items.values()) < self.cached
+
     def add(self, name: str, path: str) -> None:
         if name not in self._items and len(self._items) >= self.capacity:
-            raise CapacityError(f"cannot add {name}: {len(self._items)} of {self.capacity} slots resident")
+            raise CapacityError(f"cannot add {name}: {len(self._items)} of {self.capacity} slots resident "
+                                f"({self.cached} of them cached in memory)")
         self._items.setdefault(name, Resident(name, path)).last_used = next(self._clock)
 
     def remove(self, name: str) -> Resident | None:
@@ -70,7 +97,24 @@ class ResidentSet:
         self._items[r.name] = r
 
     def clear(self) -> None:
+        """Forget everything: the replica (re)started, or rejoined; it holds nothing it was not
+        given again, and nothing loaded from now on was verified there."""
         self._items.clear()
+        self._verified.clear()
+
+    def verified(self, name: str, path: str) -> bool:
+        """Whether `name`, loaded from `path`, passed its canary on this replica since `clear`."""
+        return self._verified.get(name) == path
+
+    def mark_verified(self, name: str, path: str) -> None:
+        self._verified[name] = path
+
+    def forget_verified(self, name: str | None = None) -> None:
+        """Verify `name` (None: every adapter) again on its next load."""
+        if name is None:
+            self._verified.clear()
+        else:
+            self._verified.pop(name, None)
 
     def touch(self, name: str) -> None:
         self._items[name].last_used = next(self._clock)
@@ -92,8 +136,8 @@ class ResidentSet:
         """The least recently used adapter no request is using. Raises CapacityError if all are busy."""
         idle = [r for r in self._items.values() if r.pins == 0]
         if not idle:
-            raise CapacityError(f"all {len(self._items)} resident adapters (capacity {self.capacity}) "
-                                f"are in use by in-flight requests")
+            raise CapacityError(f"all {len(self._items)} resident adapters (capacity {self.capacity}, {self.cached} "
+                                f"cached in memory) are in use by in-flight requests")
         return min(idle, key=lambda r: r.last_used).name
 
 

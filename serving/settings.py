@@ -44,8 +44,14 @@ class EngineSettings(BaseSettings):
     max_loras: int = Field(default=4, ge=1, le=256)
     """Adapters that can share one batch (vLLM `--max-loras`)."""
     max_cpu_loras: int = Field(default=8, ge=1, le=4096)
-    """Adapters resident in one replica (vLLM `--max-cpu-loras`); the gateway evicts the least
-    recently used idle one beyond this and reloads it on demand."""
+    """Adapters one replica keeps in memory (vLLM `--max-cpu-loras`). Unless `max_registered_loras`
+    is larger, also the adapters resident in it: the gateway evicts the least recently used idle
+    one beyond this and reloads (and verifies) it on demand."""
+    max_registered_loras: int | None = Field(default=None, ge=1, le=65536)
+    """Adapters resident in one replica (loaded: vLLM serves their names), when more than
+    `max_cpu_loras`: vLLM then keeps the `max_cpu_loras` used last in memory and re-reads another
+    one's folder itself when a request needs it, with no unload, load or canary from the gateway
+    (each version's folder never changes). Beyond this the gateway evicts as above. None: `max_cpu_loras`."""
     max_lora_rank: int = Field(default=16, ge=1, le=512)
     max_model_len: int = Field(default=2048, ge=64)
     max_num_seqs: int = Field(default=32, ge=1)
@@ -85,9 +91,17 @@ class EngineSettings(BaseSettings):
     is out of rotation for that version for this long, doubling with each failure up to
     `adapter_retry_max_s`; then the next request or hot swap tries it again."""
     adapter_retry_max_s: float = Field(default=600.0, gt=0)
+    canary_every_load: bool = False
+    """Run the canary on every load. Off: once per version and replica between restarts (a
+    version's folder never changes, so re-loading it after an eviction loads the same weights)."""
     canary_timeout_s: float = Field(default=30.0, gt=0)
     """Longest a canary request (one token, the prompt's log-probabilities) may take."""
     log_dir: Path = Path(".clora/logs")
+
+    @property
+    def registered_loras(self) -> int:
+        """Adapters resident in one replica at most (`max_registered_loras`, else `max_cpu_loras`)."""
+        return self.max_registered_loras or self.max_cpu_loras
 
     @property
     def replica_count(self) -> int:
@@ -111,6 +125,9 @@ class EngineSettings(BaseSettings):
     def _replicas(self) -> "EngineSettings":
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.max_registered_loras is not None and self.max_registered_loras < self.max_cpu_loras:
+            raise ValueError(f"max_registered_loras ({self.max_registered_loras}) must be >= max_cpu_loras "
+                             f"({self.max_cpu_loras}): vLLM caches only resident adapters")
         if "ports" not in self.model_fields_set and self.remote_urls:
             self.ports = []          # remote replicas only, unless local ones are asked for too
         if not self.replica_count:
@@ -198,6 +215,17 @@ class GatewaySettings(BaseSettings):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     adapter_wait_s: float = Field(default=30.0, gt=0)
     """Longest a request waits for an engine slot when every resident adapter is busy."""
+    fair_admission: bool = True
+    """Send requests to the engine in weighted fair order over tokens across tenants, queueing
+    beyond `fair_sequences` in flight (`serving/fair_queue.py`). Off: straight to vLLM, first come
+    first served, so a tenant offering 10x the load gets ~10x the tokens."""
+    fair_sequences: int | None = Field(default=None, ge=1)
+    """Engine sequences this gateway keeps in flight across all tenants with `fair_admission`
+    (None: replicas x `EngineSettings.max_num_seqs`, what the engine runs at once). With several
+    gateways, each one's share of that."""
+    fair_wait_s: float = Field(default=600.0, gt=0)
+    """Longest a request waits in the fair queue; past it the request answers 503 with a
+    `retry-after`."""
     engine_report_s: float = Field(default=5.0, gt=0)
     """How often the gateway writes its replicas' state (health, resident adapters, adapters out
     of rotation and why) to the registry, where the console reads it."""

@@ -1,4 +1,6 @@
-"""The pure parts of `clora bench experiments`: statistics, mode A by prefix, the report's shape."""
+"""The pure parts of `clora bench experiments`: statistics, mode A by prefix, the report's shape,
+the machine's bound from measured core-seconds, reward curves and the time to a reward threshold,
+presets."""
 
 import dataclasses
 import json
@@ -8,9 +10,11 @@ import os
 import pytest
 from rich.console import Console
 
-from clora.infra.experiments import (CORE_SPLIT, Bench, BenchConfig, Experiment, ExperimentError, ExperimentResult, Stack, StepRecord,
-                                      build_report, compare, mean_std, reward_curve, sequential_prefix, summarize, table,
-                                      training_examples)
+from clora.infra.bench_platform import CoreSeconds
+from clora.infra.experiments import (CORE_SPLIT, PRESETS, Bench, BenchConfig, Experiment, ExperimentError,
+                                      ExperimentResult, LearnerCounters, Stack, StepRecord, build_report, compare, curve_table,
+                                      machine_bound, mean_std, reward_curve, sequential_prefix, summarize, table,
+                                      time_to_reward, training_examples)
 from clora.agents.envs import ArithmeticEnv
 from clora.agents.runtime import EpisodeTrace, Turn
 from clora.agents.simulate import HeldOutScores, OperatorSimulator, Rollout, StepReport
@@ -82,7 +86,8 @@ def test_report_shape_and_target():
     top = report["rows"][-1]
     assert top["sequential"]["wall_s"] == 790 and top["concurrent"]["wall_s"] == 157
     assert top["speedup"] == pytest.approx(790 / 157) and top["step_growth"] == pytest.approx(7 / 6)
-    assert report["target"]["met"] is True and report["reference"]["speedup"] == 2.81
+    assert report["reference"]["speedup"] == 2.81
+    assert top["bound"] is None and report["target"]["met"] is None    # no core-seconds measured: no verdict
     assert report["rows"][0]["speedup"] == pytest.approx(90 / 150)
     assert report["curves"] == {"sequential": [0.0, 0.5], "concurrent": {"1": [0.0, 0.5], "2": [0.0, 0.5],
                                                                           "8": [0.0, 0.5]}}
@@ -283,3 +288,184 @@ def test_mode_b_splits_the_cores_between_learner_and_engine_unless_the_environme
         bench.launcher.platform_env("x", concurrent=concurrent)
         assert os.environ["CLORA_LEARNER_NUM_THREADS"] == "3"
     assert "CLORA_ENGINE_RESERVED_CPUS" not in os.environ
+
+
+def _rendered(t) -> str:
+    console = Console(record=True, width=400)
+    console.print(t)
+    return console.export_text()
+
+
+def test_the_bound_spreads_b_s_measured_rollout_and_training_work_over_every_core():
+    # A: 16 s steps. B: 8 tenants × 2 steps of 53 s; over its 70 s the engine used 96 core-s,
+    # the learner 80, the rest 16: per step 6 / 5 / 1, per round of 8 steps 48 / 40 / 8
+    seq = [experiment(i, 20 * i, 20 * i + 18, [0.5, 0.5], rollout=10, train=5, sync=1) for i in range(8)]
+    conc = [experiment(i, 0, 70, [0.5, 0.5], rollout=36, train=14, sync=3) for i in range(8)]
+    a = summarize(seq)
+    b = summarize(conc, work=CoreSeconds(engine=96.0, learner=80.0, other=16.0, wall_s=70.0))
+    assert b["work"]["engine_core_s_per_step"] == 6.0 and b["work"]["other_core_s_per_step"] == 1.0
+    bound = machine_bound(a, b, n=8, cores=2)
+    assert (bound["rollout_core_s_per_round"], bound["train_core_s_per_round"], bound["other_core_s_per_round"]) \
+        == (48.0, 40.0, 8.0)
+    assert bound["bound_step_s"] == 44.0 and bound["bound_growth"] == pytest.approx(44 / 16)
+    assert bound["growth_over_bound"] == pytest.approx((53 / 16) / (44 / 16))
+    assert bound["busy"] == pytest.approx({"engine": 96 / 140, "learner": 80 / 140})
+    # twice the cores halve the least step time: the same measured growth is twice as far off
+    assert machine_bound(a, b, n=8, cores=4)["growth_over_bound"] == pytest.approx(2 * 53 / 44)
+    assert machine_bound(a, summarize(conc), n=8, cores=2) is None
+    assert bound["split_step_s"] is None                # no split given: the cores are shared
+
+
+def test_a_core_split_bounds_the_round_by_the_busier_side_on_its_own_cores():
+    a = summarize([experiment(0, 0, 40, [0.5, 0.5], rollout=10, train=5, sync=1)])
+    b = summarize([experiment(i, 0, 70, [0.5, 0.5]) for i in range(8)],
+                  work=CoreSeconds(engine=96.0, learner=80.0, other=16.0, wall_s=70.0))   # 48 / 40 per round
+    one_each = {"CLORA_LEARNER_NUM_THREADS": "1", "CLORA_ENGINE_RESERVED_CPUS": "1"}
+    assert machine_bound(a, b, n=8, cores=2, split=one_each)["split_step_s"] == 48.0     # the engine's core
+    engine_three = {"CLORA_LEARNER_NUM_THREADS": "1", "CLORA_ENGINE_RESERVED_CPUS": "1"}
+    assert machine_bound(a, b, n=8, cores=4, split=engine_three)["split_step_s"] == 40.0    # now the learner's
+    assert machine_bound(a, b, n=8, cores=2, split={"CLORA_LEARNER_NUM_THREADS": "1"})["split_step_s"] is None
+
+
+def test_mode_a_work_is_the_sum_of_its_experiments_own_platforms():
+    seq = [dataclasses.replace(experiment(i, 10 * i, 10 * i + 9, [0.5, 0.5]),
+                               work=CoreSeconds(engine=4.0 + i, learner=2.0, other=1.0, wall_s=8.0)) for i in range(3)]
+    w = summarize(sequential_prefix(seq, 2))["work"]
+    assert (w["engine_core_s"], w["learner_core_s"], w["wall_s"]) == (9.0, 4.0, 16.0)
+    assert w["engine_core_s_per_step"] == 9.0 / 4 and w["learner_core_s_per_step"] == 1.0
+    unmeasured = [*seq[:1], experiment(1, 10, 19, [0.5])]
+    assert summarize(unmeasured)["work"] is None
+
+
+def test_the_report_s_n8_verdict_is_speedup_and_growth_against_the_bound():
+    config = BenchConfig(ns=(8,), steps=2)
+    seq = [experiment(i, 100 * i, 100 * i + 90, [0.5, 0.5], rollout=10, train=5, sync=1) for i in range(8)]
+    conc = {8: [experiment(i, 0, 150, [0.5, 0.5], rollout=36, train=14, sync=3) for i in range(8)]}  # 5.27x
+
+    def verdict(engine: float) -> tuple[float, bool]:
+        work = {8: CoreSeconds(engine=engine, learner=80.0, other=16.0, wall_s=150.0)}
+        report = json.loads(json.dumps(build_report(config, seq, conc, 0.0, concurrent_work=work, cores=2)))
+        return report["rows"][0]["bound"]["growth_over_bound"], report["target"]["met"]
+
+    off, met = verdict(96.0)                 # bound 44 s a step against 53 s measured: 1.20x the bound
+    assert off == pytest.approx(53 / 44) and met is False
+    off, met = verdict(120.0)                # bound 50 s: 1.06x, within 10%
+    assert off == pytest.approx(53 / 50) and met is True
+
+
+def test_time_to_reward_counts_start_up_earlier_steps_and_the_reaching_rollout():
+    e = experiment(0, 0, 30, [0.5, 0.9, 1.0])            # start-up 1 s, steps of 2 + 3 + 1 s
+    assert time_to_reward(e, 0.8) == 1 + 6 + 2
+    assert time_to_reward(e, 1.0) == 1 + 12 + 2
+    assert time_to_reward(e, 0.5) == 1 + 2
+    assert time_to_reward(dataclasses.replace(e, steps=e.steps[:1]), 0.8) is None
+
+
+def test_a_mode_reaches_the_threshold_when_its_last_experiment_does():
+    # A: the second experiment starts at 100 and reaches 0.8 in its first step (1 + 2 s)
+    seq = [experiment(0, 0, 90, [0.5, 0.9]), experiment(1, 100, 190, [0.85, 0.4])]
+    s = summarize(seq, threshold=0.8)
+    assert s["time_to_threshold_s"] == 103 and s["threshold_reached"] == 2
+    assert s["reward_curve"] == [0.675, 0.65]
+    never = summarize([*seq, experiment(2, 200, 290, [0.5, 0.7])], threshold=0.8)
+    assert never["time_to_threshold_s"] is None and never["threshold_reached"] == 2
+    conc = [experiment(i, 0, 40, [0.5, 0.9]) for i in range(2)]   # B: together, 1 + 6 + 2 s each
+    assert summarize(conc, threshold=0.8)["time_to_threshold_s"] == 9
+
+
+def test_the_tables_show_the_bound_the_threshold_and_both_modes_curves():
+    config = BenchConfig(ns=(1, 2), steps=3, reward_threshold=0.75)
+    seq = [experiment(i, 100 * i, 100 * i + 90, [0.25, 0.5, 0.75]) for i in range(2)]
+    conc = {1: [experiment(0, 0, 30, [0.5, 0.75, 1.0])],
+            2: [experiment(i, 0, 40, [0.0, 0.5, 0.5 + 0.25 * i]) for i in range(2)]}
+    work = {n: CoreSeconds(engine=6.0 * n, learner=3.0 * n, other=1.0, wall_s=30.0) for n in conc}
+    report = json.loads(json.dumps(build_report(config, seq, conc, 0.0, concurrent_work=work, cores=2)))
+    assert report["cores"] == 2 and report["config"]["reward_threshold"] == 0.75
+    one, two = report["rows"]
+    assert one["sequential"]["reward_curve"] == [0.25, 0.5, 0.75]
+    assert one["concurrent"]["reward_curve"] == [0.5, 0.75, 1.0]
+    assert two["concurrent"]["reward_curve"] == [0.0, 0.5, 0.625]
+    assert (one["concurrent"]["time_to_threshold_s"], two["concurrent"]["threshold_reached"]) == (1 + 6 + 2, 1)
+    assert two["sequential"]["time_to_threshold_s"] == 100 + 1 + 12 + 2
+    # per step 2 engine + 1 learner core-s: a round of N steps on 2 cores takes at least 1.5 N s
+    assert one["bound"]["bound_step_s"] == 1.5 and two["bound"]["bound_step_s"] == 3.0
+
+    text = _rendered(table(report))
+    assert "A / B s to reward ≥ 0.75" in text and "15 (1/1) / 9 (1/1)" in text and "115 (2/2) / — (1/2)" in text
+    assert "0.50x (4/2/0; 20%/10%)" in text    # N = 2: 3 s against A's 6 s steps; 12 / 60, 6 / 60 of the cores
+    curves = _rendered(curve_table(report))
+    assert "A, N = 2" in curves and "B, N = 2" in curves and "0.62" in curves
+    assert [[c.strip() for c in line.split("│")[2:-1]] for line in curves.splitlines() if "B, N = 1" in line] \
+        == [["0.50", "0.75", "1.00"]]
+
+
+def test_presets_set_the_knobs_the_command_line_did_not():
+    assert BenchConfig.from_preset("speed") == BenchConfig()
+    with pytest.raises(ValueError, match="--preset learn starts from an adapter .*make_calc_adapter"):
+        BenchConfig.from_preset("learn")
+    with pytest.raises(ValueError, match="--preset must be one of speed, learn"):
+        BenchConfig.from_preset("fast")
+    with pytest.raises(ValueError, match="reward_threshold must be in"):
+        BenchConfig(reward_threshold=0.0)
+
+
+def test_the_command_line_takes_the_learn_preset_and_overrides_it(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from clora.infra import experiments
+    from clora.infra.cli import app
+
+    for f in ADAPTER_FILES:
+        (tmp_path / f).write_text("{}")
+    seen = []
+    monkeypatch.setattr(experiments, "main", seen.append)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["bench", "experiments", "--preset", "learn", "--init-adapter", str(tmp_path),
+                             "--steps", "3", "--reward-threshold", "0.9"])
+    assert ok.exit_code == 0, ok.output
+    learn = PRESETS["learn"]
+    assert (seen[0].steps, seen[0].group_size, seen[0].learning_rate, seen[0].ns) == \
+        (3, learn["group_size"], learn["learning_rate"], learn["ns"])
+    assert seen[0].preset == "learn" and seen[0].reward_threshold == 0.9
+    ok = runner.invoke(app, ["bench", "experiments", "--difficulty", "mixed", "--n", "1,2"])
+    assert ok.exit_code == 0, ok.output
+    assert seen[1] == BenchConfig(difficulty=None, ns=(1, 2))
+    bad = runner.invoke(app, ["bench", "experiments", "--preset", "learn"])
+    assert bad.exit_code == 2 and "--init-adapter" in bad.output
+
+
+METRICS = """# TYPE clora_learner_publishes counter
+clora_learner_publishes_total{tenant="a",outcome="rejected"} 2.0
+clora_learner_publishes_total{tenant="a",outcome="published"} 5.0
+clora_learner_publishes_total{tenant="b",outcome="rejected"} 1.0
+# TYPE clora_learner_flat_batches counter
+clora_learner_flat_batches_total{tenant="a"} 3.0
+"""
+
+
+def test_tenants_polling_the_learner_s_counters_share_one_scrape_until_it_is_stale():
+    texts = [METRICS, METRICS.replace('tenant="b",outcome="rejected"} 1.0', 'tenant="b",outcome="rejected"} 4.0')]
+    counters = LearnerCounters(lambda: texts[min(counters.scrapes - 1, 1)], max_age_s=3600)
+    assert counters.count("clora_learner_publishes", "a", outcome="rejected") == 2.0
+    assert counters.count("clora_learner_publishes", "a") == 7.0                  # every outcome
+    assert counters.count("clora_learner_flat_batches", "a") == 3.0
+    assert counters.count("clora_learner_publishes", "b", outcome="rejected") == 1.0
+    assert counters.count("clora_learner_flat_batches", "b") == 0.0
+    assert counters.scrapes == 1                                                   # one scrape served them all
+    assert counters.count("clora_learner_publishes", "b", fresh=True, outcome="rejected") == 4.0
+    assert counters.scrapes == 2
+    always = LearnerCounters(lambda: METRICS, max_age_s=0.0)
+    always.count("clora_learner_flat_batches", "a")
+    always.count("clora_learner_flat_batches", "a")
+    assert always.scrapes == 2
+
+
+def test_mode_b_s_experiments_read_one_shared_counter_cache():
+    stack = Stack("http://gw", "http://wh", "http://console", "http://metrics", "token")
+    shared = LearnerCounters(lambda: METRICS, max_age_s=3600)
+    one, two = (Experiment(stack, t, i, BenchConfig(), counters=shared) for i, t in enumerate("ab"))
+    assert one._learner_count("clora_learner_publishes", outcome="rejected") == 2.0
+    assert two._learner_count("clora_learner_publishes", outcome="rejected") == 1.0
+    assert shared.scrapes == 1
+    alone = Experiment(stack, "c", 2, BenchConfig())
+    assert alone.counters is not shared and alone.counters.max_age_s == BenchConfig().poll_s

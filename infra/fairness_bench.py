@@ -1,0 +1,326 @@
+"""`clora bench fairness`: fair shares under a 10:1 skew, for serving and for training, each with
+fairness off (the baseline) and on in the same run.
+
+    clora bench fairness [--seconds 40] [--slots 8] [--light-tokens 16] [--skew 10]
+    python benchmarks/bench_fairness.py ...          # the same command
+
+**Serving** runs the real gateway over a real vLLM engine (one replica of the test suite's tiny
+random model, embedded broker and Redis, in this process as `benchmarks/bench_serving.py` does).
+Two tenants of equal weight each keep as many streamed completions outstanding as their quota
+allows (`slots`, the engine's sequence slots, with `tenant_engine_share` 1.0 so that the quota
+alone does not split the engine: each tenant alone would fill it, so both want more than their
+share). Their offered load differs by `skew` in tokens: `heavy` asks for `skew x light_tokens`
+tokens a request, `light` for `light_tokens` (`ignore_eos`: exactly that many). vLLM serves the
+requests it holds first come, first served, so without fair admission `heavy` gets ~`skew`x the
+tokens. The same engine then serves the same load with `fair_admission` on. Measured from the
+clients: each streamed token at its arrival; Jain's index of tokens served per tenant over sliding
+windows of `window_s` (a third of each phase by default, stepped by 1 s after a warm-up: the run
+is far shorter than the 5-minute window of the target), the whole phase's index, each tenant's
+longest wait for its first token (its queue wait: in the gateway's queue or in vLLM's), and the
+throughput ratio fair / baseline.
+
+**Training** drives the learner's scheduler (`clora.learner.scheduler`) with a step-cost model,
+`seconds = step_fixed_s + step_per_token_s x tokens` (defaults: illustrative, not measured on
+this machine), rather than the real learner: `heavy` offers `skew`x the examples per second of
+`light`, and `light` alone offers more than half of what the learner trains, so both want more
+than their share. Baseline: the scheduler as it was (uncapped backlog bonus, charged seconds);
+fair: backlog bonus capped at `full_backlog`, charged tokens. Jain's index of training tokens
+over sliding windows of simulated time.
+
+Prints a table and writes JSON (`out`, default bench-results/fairness.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+TENANTS = ("heavy", "light")
+
+
+@dataclass(frozen=True)
+class FairnessBenchConfig:
+    seconds: float = 40.0
+    """Length of each serving phase (baseline, then fair)."""
+    slots: int = 8
+    """The engine's sequence slots (`max_num_seqs`): each tenant's quota, and the fair queue's size."""
+    light_tokens: int = 16
+    """Tokens per `light` request; `heavy`'s are `skew` times as many."""
+    skew: int = 10
+    window_s: float | None = None
+    """Sliding window of the Jain index (None: a third of a phase)."""
+    learner_minutes: float = 30.0
+    """Simulated training time per learner phase."""
+    step_fixed_s: float = 0.4
+    step_per_token_s: float = 0.0005
+    batch_size: int = 8
+    out: str = "bench-results/fairness.json"
+
+    def __post_init__(self) -> None:
+        if self.seconds < 6:
+            raise ValueError(f"--seconds must be >= 6 (a phase needs a warm-up and windows), got {self.seconds}")
+        if self.slots < 2 or self.skew < 1 or self.light_tokens < 1:
+            raise ValueError("--slots must be >= 2, --skew and --light-tokens >= 1")
+
+    @property
+    def window(self) -> float:
+        return self.window_s or self.seconds / 3
+
+
+@dataclass(frozen=True)
+class Served:
+    """Tokens a tenant got at one moment (seconds from the phase's start)."""
+
+    at: float
+    tenant: str
+    tokens: int
+
+
+def jain(xs: list[float]) -> float:
+    """Jain's fairness index: (sum x)^2 / (n * sum x^2); 1.0 is equal shares, 1/n one takes all."""
+    total, squares = sum(xs), sum(x * x for x in xs)
+    return total * total / (len(xs) * squares) if squares else float("nan")
+
+
+def sliding_jain(served: list[Served], start: float, end: float, window: float, step: float = 1.0) -> list[float]:
+    """Jain's index of tokens per tenant in each window [t, t + window) from `start` to `end`."""
+    out, t = [], start
+    while t + window <= end + 1e-9:
+        per = {name: 0 for name in TENANTS}
+        for s in served:
+            if t <= s.at < t + window:
+                per[s.tenant] += s.tokens
+        out.append(jain(list(per.values())))
+        t += step
+    return out
+
+
+@dataclass
+class Phase:
+    """One phase's per-tenant numbers and fairness."""
+
+    mode: str
+    offered_tokens: dict[str, int]
+    served_tokens: dict[str, int]
+    max_wait_s: dict[str, float]
+    jain_windows: list[float]
+    jain_whole: float
+    tokens_per_s: float
+    errors: int = 0
+    first_error: str | None = None
+
+    @property
+    def jain_min(self) -> float:
+        return min(self.jain_windows) if self.jain_windows else float("nan")
+
+
+def summarize(mode: str, served: list[Served], offered: dict[str, int], waits: dict[str, list[float]],
+              warmup: float, end: float, window: float, errors: int = 0, step: float = 1.0,
+              first_error: str | None = None) -> Phase:
+    counted = [s for s in served if warmup <= s.at < end]
+    per = {name: sum(s.tokens for s in counted if s.tenant == name) for name in TENANTS}
+    return Phase(mode, offered, per, {t: max(w, default=0.0) for t, w in waits.items()},
+                 sliding_jain(served, warmup, end, window, step), jain(list(per.values())),
+                 sum(per.values()) / max(1e-9, end - warmup), errors, first_error)
+
+
+# --- serving ------------------------------------------------------------------------------
+
+async def serve_phase(url: str, keys: dict[str, str], config: FairnessBenchConfig, mode: str) -> Phase:
+    """Every tenant keeps `slots` streamed completions outstanding for `seconds`, through the
+    gateway at `url` (its OpenAI base URL, `.../v1`)."""
+    served: list[Served] = []
+    offered = {name: 0 for name in TENANTS}
+    waits: dict[str, list[float]] = {name: [] for name in TENANTS}
+    errors, first_error = 0, None
+    tokens = {"heavy": config.light_tokens * config.skew, "light": config.light_tokens}
+    t0 = time.monotonic()
+    deadline = t0 + config.seconds
+
+    async def client(http: httpx.AsyncClient, tenant: str) -> None:
+        nonlocal errors, first_error
+        body = {"model": tenant, "messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": tokens[tenant], "stream": True, "ignore_eos": True, "return_token_ids": True,
+                "temperature": 0}
+        headers = {"authorization": f"Bearer {keys[tenant]}"}
+        while time.monotonic() < deadline:
+            sent, first = time.monotonic(), True
+            offered[tenant] += tokens[tenant]
+            try:
+                async with http.stream("POST", url + "/chat/completions", json=body, headers=headers) as r:
+                    if r.status_code != 200:
+                        errors += 1
+                        first_error = first_error or f"{r.status_code}: {(await r.aread())[:300]!r}"
+                        await asyncio.sleep(0.2)
+                        continue
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices") or ())
+                        if n:
+                            now = time.monotonic()
+                            if first:
+                                waits[tenant].append(now - sent)
+                                first = False
+                            served.append(Served(now - t0, tenant, n))
+            except httpx.HTTPError as e:
+                errors += 1
+                first_error = first_error or repr(e)
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=4 * config.slots)) as http:
+        await asyncio.gather(*(client(http, t) for t in TENANTS for _ in range(config.slots)))
+    end = time.monotonic() - t0
+    return summarize(mode, served, offered, waits, warmup=min(5.0, config.seconds / 5), end=min(end, config.seconds),
+                     window=config.window, errors=errors, first_error=first_error)
+
+
+def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
+    import importlib.util
+
+    import redis
+
+    from clora.infra.settings import BrokerSettings, RedisSettings
+    from clora.infra.stack import LocalStack
+    from clora.ingest.producer import ensure_topics
+    from clora.procs import free_port
+    from clora.registry import Registry
+    from clora.serving.service import ServingService
+    from clora.serving.settings import EngineSettings, GatewaySettings
+    from clora.settings import PlatformSettings
+
+    work = Path(tempfile.mkdtemp(prefix="clora-bench-fairness-"))
+    stack = LocalStack(platform=PlatformSettings(data_dir=work / "data"), broker=BrokerSettings(port=free_port()),
+                       redis=RedisSettings(port=free_port())).start()
+    svc = None
+    try:
+        ensure_topics(stack.kafka_bootstrap, partitions=stack.broker.partitions)
+        spec = importlib.util.spec_from_file_location(
+            "clora_serving_tiny", Path(__file__).resolve().parents[1] / "tests" / "serving" / "tiny.py")
+        tiny = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tiny)
+        model = tiny.make_model(work / "tiny")
+        reg = Registry(redis.Redis.from_url(stack.redis_url))
+        keys = {name: reg.create_tenant(name)[1] for name in TENANTS}  # no version yet: the base model
+        es = EngineSettings(model=str(model), ports=[free_port()], max_model_len=512, max_num_seqs=config.slots,
+                            log_dir=work / "logs", start_timeout_s=900)
+        gs = GatewaySettings(port=0, metrics_port=0, spool_dir=work / "spool", tenant_engine_share=1.0,
+                             tenant_concurrency=config.slots, tenant_rate_per_s=1000, tenant_burst=1000,
+                             fair_admission=False)
+        svc = ServingService(es, gs, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url).start()
+        console.print(f"engine up; serving phases of {config.seconds:g} s each", highlight=False)
+        phases = []
+        for mode in ("baseline", "fair"):
+            gs.fair_admission = mode == "fair"
+            phase = asyncio.run(serve_phase(svc.url, keys, config, mode))
+            phases.append(phase)
+            console.print(f"{mode}: Jain min {phase.jain_min:.3f}, whole {phase.jain_whole:.3f}", highlight=False)
+        return phases
+    finally:
+        if svc is not None:
+            svc.stop()
+        stack.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- training -----------------------------------------------------------------------------
+
+def run_learner(config: FairnessBenchConfig, fair: bool) -> Phase:
+    """Simulated training: examples arrive at fixed rates, the scheduler picks, each step costs
+    the model's seconds; tokens counted at each step's end."""
+    from clora.learner.scheduler import Scheduler, TenantView
+
+    rng = random.Random(7)
+    clock = [0.0]
+    sched = Scheduler(clock=lambda: clock[0], **({} if fair else {"full_backlog": None}))
+    mean_tokens = 128  # examples of 32..224 tokens
+    step_s = config.step_fixed_s + config.step_per_token_s * config.batch_size * mean_tokens
+    capacity = config.batch_size / step_s  # examples/s the learner trains
+    rate = {"light": 0.75 * capacity, "heavy": 0.75 * capacity * config.skew}  # light alone > half
+    backlog: dict[str, list[int]] = {name: [] for name in TENANTS}
+    arrived = {name: 0.0 for name in TENANTS}
+    offered = {name: 0 for name in TENANTS}
+    served: list[Served] = []
+    waits: dict[str, list[float]] = {name: [] for name in TENANTS}
+    eligible_since: dict[str, float] = {}
+    end = config.learner_minutes * 60
+    while clock[0] < end:
+        for name in TENANTS:  # arrivals up to now
+            due = int(rate[name] * clock[0]) - int(arrived[name])
+            for _ in range(due):
+                n = rng.randint(32, 224)
+                backlog[name].append(n)
+                offered[name] += n
+            arrived[name] += due
+        views = [TenantView(name, False, 1.0, 0, 1, len(backlog[name])) for name in TENANTS]
+        for v in views:
+            if v.waiting and v.id not in eligible_since:
+                eligible_since[v.id] = clock[0]
+        tenant = sched.pick(views).tenant
+        if tenant is None:
+            clock[0] += 0.1
+            continue
+        batch, backlog[tenant] = backlog[tenant][: config.batch_size], backlog[tenant][config.batch_size:]
+        tokens = sum(batch)
+        seconds = config.step_fixed_s + config.step_per_token_s * tokens
+        waits[tenant].append(clock[0] - eligible_since.pop(tenant))
+        clock[0] += seconds
+        served.append(Served(clock[0], tenant, tokens))
+        if fair:
+            sched.record(tenant, seconds, tokens=tokens)
+        else:
+            sched.record(tenant, seconds)
+    window = end / 3
+    return summarize("fair" if fair else "baseline", served, offered, waits, warmup=window / 2, end=end,
+                     window=window, step=window / 20)
+
+
+# --- the report ---------------------------------------------------------------------------
+
+def table(title: str, phases: list[Phase]) -> Table:
+    t = Table(title=title)
+    for col in ("mode", "tenant", "offered tok", "served tok", "max wait s", "Jain min (windows)", "Jain whole",
+                "tok/s"):
+        t.add_column(col, justify="right" if col not in ("mode", "tenant") else "left")
+    for p in phases:
+        for i, name in enumerate(TENANTS):
+            t.add_row(p.mode if i == 0 else "", name, str(p.offered_tokens[name]), str(p.served_tokens[name]),
+                      f"{p.max_wait_s[name]:.2f}", f"{p.jain_min:.3f}" if i == 0 else "",
+                      f"{p.jain_whole:.3f}" if i == 0 else "", f"{p.tokens_per_s:.1f}" if i == 0 else "")
+    return t
+
+
+def main(config: FairnessBenchConfig, console: Console | None = None) -> dict:
+    console = console or Console()
+    serving = run_serving(config, console)
+    learner = [run_learner(config, fair) for fair in (False, True)]
+    console.print(table(f"serving: equal weights, {config.skew}:1 offered tokens, {config.slots} engine slots, "
+                        f"windows of {config.window:.0f} s", serving))
+    base, fair = serving
+    ratio = fair.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan")
+    for p in serving:
+        if p.first_error:
+            console.print(f"{p.mode}: {p.errors} requests failed, the first: {p.first_error}", highlight=False)
+    console.print(f"throughput fair / baseline: {ratio:.2f}; errors {base.errors} / {fair.errors}; max wait = "
+                  "longest time to a request's first token", highlight=False)
+    console.print(table(f"training (scheduler on the step-cost model, {config.learner_minutes:g} simulated min, "
+                        f"windows of a third)", learner))
+    result = {"config": asdict(config) | {"window_s": config.window},
+              "serving": [asdict(p) | {"jain_min": p.jain_min} for p in serving],
+              "serving_throughput_ratio": ratio,
+              "learner": [asdict(p) | {"jain_min": p.jain_min} for p in learner]}
+    out = Path(config.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {out}")
+    return result
