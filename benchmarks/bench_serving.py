@@ -36,24 +36,9 @@ PROMPT = "Write a short story about a robot who learns to paint."
 
 
 def build_adapters(model_dir: Path, out: Path, n: int, rank: int = 8) -> list[Path]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from clora.infra.tenants_bench import build_adapters as random_adapters
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"], init_lora_weights=False))
-    paths = []
-    for i in range(n):
-        g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for name, p in peft.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        path = out / f"adapter{i}"
-        peft.save_pretrained(path)
-        paths.append(path)
-    return paths
+    return random_adapters(model_dir, out, n, rank, first_seed=100)
 
 
 def pct(xs: list[float], q: float) -> float:

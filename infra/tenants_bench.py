@@ -120,8 +120,9 @@ def draws(mix: str, in_use: int, n: int, s: float, rng: random.Random) -> list[i
     return rng.choices(range(in_use), weights=weights, k=n)
 
 
-def build_adapters(model_dir: Path, out: Path, n: int, rank: int, seed: int) -> list[Path]:
-    """`n` random PEFT LoRA adapters (rank `rank`, every linear projection), each its own weights."""
+def build_adapters(model_dir: Path, out: Path, n: int, rank: int, first_seed: int) -> list[Path]:
+    """`n` random PEFT LoRA adapters (rank `rank`, every linear projection), adapter i drawn
+    from seed `first_seed + i` (also `benchmarks/bench_serving.py`'s adapters)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -130,7 +131,7 @@ def build_adapters(model_dir: Path, out: Path, n: int, rank: int, seed: int) -> 
                                             target_modules=LORA_TARGETS, init_lora_weights=False))
     paths = []
     for i in range(n):
-        g = torch.Generator().manual_seed(seed * 100_003 + i)
+        g = torch.Generator().manual_seed(first_seed + i)
         with torch.no_grad():
             for name, p in peft.named_parameters():
                 if "lora_" in name:
@@ -253,7 +254,7 @@ class TenantsBench:
         model = self.model()
         distinct = min(max(c.tenants), c.slots * max(c.multiples))
         self.say(f"building {distinct} random rank-{c.rank} adapters on {model}")
-        pool = build_adapters(model, self.root / "pool", distinct, c.rank, c.seed)
+        pool = build_adapters(model, self.root / "pool", distinct, c.rank, c.seed * 100_003)
         stack = LocalStack(platform=PlatformSettings(data_dir=self.root / "data"),
                            broker=BrokerSettings(port=free_port()), redis=RedisSettings(port=free_port())).start()
         svc = None
