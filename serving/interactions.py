@@ -4,14 +4,17 @@ goes to `clora.interactions`, keyed by tenant.
 `InteractionLogger.submit` only enqueues and returns a future that resolves once the event is
 durable: acknowledged by the broker, fsync'd to the spool, or set aside as refused for good.
 The gateway waits for it before answering (`GatewaySettings.durable_interactions`), so a
-crash of the serving process never loses an answered interaction. A background thread
-sends batches to the broker and waits for acks=all; whatever the broker does not acknowledge
-in time is appended to the `DiskSpool`, and while the spool holds anything new events go
-there too (so a tenant's events keep their order). The same thread retries the spool every
-`retry_s` and empties it once the broker is back. Nothing is dropped: a record the broker
-refuses for good (too large, invalid) is set aside in the spool folder's `rejected.jsonl` and
-counted, so that it does not hold up every later event; an unexpected error keeps the batch
-for the next round instead of ending the thread.
+crash of the serving process never loses an answered interaction.
+
+Two threads. The sender takes batches off the queue and sends them to the broker, waiting for
+acks=all; whatever the broker does not acknowledge in time is appended to the `DiskSpool`, and
+while the spool holds anything, new events go straight there (so a tenant's events keep their
+order, and a new event never waits on a broker that is known to be down). The drainer empties
+the spool, oldest first, whenever it holds anything, retrying every `retry_s`: a drain
+attempt against a frozen broker blocks only the drainer, never an answer. Nothing is dropped:
+a record the broker refuses for good (too large, invalid) is set aside in the spool folder's
+`rejected.jsonl` and counted, so that it does not hold up every later event; an unexpected
+error keeps the batch for the next round instead of ending either thread.
 """
 
 from __future__ import annotations
@@ -44,20 +47,30 @@ class InteractionLogger:
                  ack_timeout_s: float = 2.0, retry_s: float = 1.0, batch: int = 500):
         self._make_producer = make_producer
         self._producer: EventProducer | None = None
+        self._producer_lock = threading.Lock()
         self.spool = spool
+        self._spool_lock = threading.Lock()
+        """Held for every spool operation: the sender appends while the drainer reads and acks."""
         self.ack_timeout_s = ack_timeout_s
         self.retry_s = retry_s
         self.batch = batch
         self._q: queue.Queue[Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="interaction-logger", daemon=True)
+        self._drainer = threading.Thread(target=self._drain_loop, name="interaction-spool-drainer", daemon=True)
+        self._spooled_event = threading.Event()
+        """Set whenever the spool got records: wakes the drainer before its next retry."""
+        self._stopping = threading.Event()
+        """Set once the sender has finished: the drainer makes one last attempt and ends."""
         self._give_up = threading.Event()
         """Set by `stop` after its timeout: send nothing more, spool everything."""
+        self._count_lock = threading.Lock()
         self.sent = 0
         self.spooled = 0
         self.rejected = 0
 
     def start(self) -> "InteractionLogger":
         self._thread.start()
+        self._drainer.start()
         return self
 
     def submit(self, event: InteractionEvent) -> cf.Future:
@@ -72,11 +85,16 @@ class InteractionLogger:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Flush what can be flushed; the rest stays in the spool for the next start. After
         `timeout_s` the broker is given up on: what is still queued goes to the spool."""
+        deadline = time.monotonic() + timeout_s
         self._q.put(None)
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        self._stopping.set()
+        self._spooled_event.set()
+        self._drainer.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive() or self._drainer.is_alive():
             self._give_up.set()
             self._thread.join()
+            self._drainer.join()
         if self._producer is not None:
             try:
                 self._producer.close()
@@ -94,13 +112,15 @@ class InteractionLogger:
             carry = []
             records = [record for record, _ in batch]
             try:
-                if not self.spool.empty():
-                    self._append(records)
-                    _durable(batch)
-                    batch = []  # durable: not to be spooled twice if the drain fails
-                    self._drain_spool()
-                elif batch and not self._send(records):
-                    self._append(records)
+                if not records:
+                    continue
+                with self._spool_lock:
+                    spooling = not self.spool.empty()
+                    if spooling:  # the broker is behind: keep the order, do not wait on it
+                        self._append(records)
+                if not spooling and not self._send(records):
+                    with self._spool_lock:
+                        self._append(records)
                 _durable(batch)
             except Exception:  # noqa: BLE001 - the thread must outlive any one failure
                 carry = batch  # neither sent nor spooled
@@ -117,7 +137,9 @@ class InteractionLogger:
         """The next batch (after `carry`), and whether `stop` was asked. While the spool holds
         anything, everything queued goes at once (to the spool: a broker outage must not leave
         events waiting in memory)."""
-        batch, limit = list(carry), self.batch if self.spool.empty() else max(self.batch, self._q.qsize())
+        with self._spool_lock:
+            spooling = not self.spool.empty()
+        batch, limit = list(carry), max(self.batch, self._q.qsize()) if spooling else self.batch
         try:
             item = self._q.get(timeout=self.retry_s) if not batch else self._q.get_nowait()
             while True:
@@ -131,19 +153,44 @@ class InteractionLogger:
             return batch, False
 
     def _append(self, batch: list[Record]) -> None:
-        if batch:
-            self.spool.append(batch)
-            self.spooled += len(batch)
-            log.info("broker unavailable: spooled %d interaction events", len(batch))
+        """Spool `batch` (the caller holds the spool lock) and wake the drainer."""
+        self.spool.append(batch)
+        self.spooled += len(batch)
+        self._spooled_event.set()
+        log.info("broker unavailable: spooled %d interaction events", len(batch))
+
+    # --- the drainer thread -----------------------------------------------------------------
+
+    def _drain_loop(self) -> None:
+        while not self._give_up.is_set():
+            self._spooled_event.wait(self.retry_s)
+            self._spooled_event.clear()
+            last = self._stopping.is_set()  # stop sets it before waking us: one last attempt
+            try:
+                self._drain_spool()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+                log.exception("draining the interaction spool failed; retrying in %.1f s", self.retry_s)
+            if last:
+                return
 
     def _drain_spool(self) -> None:
-        while not self.spool.empty() and not self._give_up.is_set():
-            records = self.spool.pending(self.batch)
+        while not self._give_up.is_set():
+            with self._spool_lock:
+                records = self.spool.pending(self.batch) if not self.spool.empty() else []
             if not records:
                 return
             if not self._send([(r.topic, r.key, r.value) for r in records]):
                 return
-            self.spool.ack(records[-1].end)
+            with self._spool_lock:
+                self.spool.ack(records[-1].end)
+
+    # --- both -------------------------------------------------------------------------------
+
+    def _producer_now(self) -> EventProducer:
+        with self._producer_lock:
+            if self._producer is None:
+                self._producer = self._make_producer()
+            return self._producer
 
     def _send(self, batch: list[Record]) -> bool:
         """Send and wait for every ack. False (nothing assumed stored) if the broker failed. A
@@ -152,12 +199,11 @@ class InteractionLogger:
             return False
         deadline = time.monotonic() + self.ack_timeout_s
         try:
-            if self._producer is None:
-                self._producer = self._make_producer()
+            producer = self._producer_now()
             futures = []
             for record in batch:
                 try:
-                    futures.append((record, self._producer.send(*record)))
+                    futures.append((record, producer.send(*record)))
                 except BrokerUnavailable as e:
                     if not isinstance(e.__cause__, REFUSED_FOR_GOOD):
                         raise
@@ -170,13 +216,16 @@ class InteractionLogger:
         except (BrokerUnavailable, KafkaError) as e:
             log.warning("sending %d interaction events failed: %s", len(batch), e)
             return False
-        self.sent += len(batch)
+        with self._count_lock:
+            self.sent += len(batch)
         return True
 
     def _reject(self, record: Record, error: BaseException) -> None:
         topic, key, value = record
-        self.spool.set_aside({"topic": topic, "key": key, "value": value, "error": repr(error)})
-        self.rejected += 1
+        with self._spool_lock:
+            self.spool.set_aside({"topic": topic, "key": key, "value": value, "error": repr(error)})
+        with self._count_lock:
+            self.rejected += 1
         log.error("the broker refused an interaction event of tenant %s for good (%s); set aside in %s",
                   key, error, self.spool.rejected_file)
 

@@ -175,3 +175,46 @@ def test_stop_spools_what_a_silent_broker_did_not_take_in_time(tmp_path):
     lg.stop(timeout_s=0.1)  # the thread is still waiting for acks: stop gives the broker up, then closes
     assert not lg._thread.is_alive()
     assert [json.loads(r.value)["interaction_id"] for r in DiskSpool(tmp_path).pending()] == ["i0", "i1", "i2"]
+
+
+class FreezingProducer(FlakyProducer):
+    """Down (refuses at once) until `freeze`; then takes records and holds every ack until
+    `thaw`, like a SIGSTOPped broker whose connections stay open."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.frozen, self.thawed, self.blocked = False, threading.Event(), threading.Event()
+
+    def send(self, topic, key, value):
+        if not self.frozen:
+            return super().send(topic, key, value)
+        self.got.append(json.loads(value)["interaction_id"])
+        return _Held(self)
+
+
+class _Held:
+    def __init__(self, producer):
+        self.producer = producer
+
+    def get(self, timeout=None):
+        self.producer.blocked.set()
+        if not self.producer.thawed.wait(timeout):
+            raise KafkaTimeoutError("no ack")
+
+
+def test_new_events_never_wait_behind_a_drain_to_a_frozen_broker(tmp_path):
+    prod = FreezingProducer()
+    lg = InteractionLogger(lambda: prod, DiskSpool(tmp_path), retry_s=0.05, ack_timeout_s=60).start()
+    lg.submit(_event(0)).result(timeout=10)  # broker down: spooled
+    assert lg.spool.count() == 1
+    prod.frozen = True
+    assert prod.blocked.wait(10), "the drain never tried the frozen broker"
+    for i in (1, 2, 3):  # the drain is stuck for up to 60 s: these are spooled meanwhile
+        lg.submit(_event(i)).result(timeout=10)
+    assert lg.spool.count() == 4 and not prod.thawed.is_set()
+    prod.thawed.set()
+    assert _wait(lambda: lg.spool.empty())
+    assert prod.got == ["i0", "i1", "i2", "i3"]  # in order, each once
+    lg.stop()
