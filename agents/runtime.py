@@ -17,6 +17,10 @@ the group id in `metadata.group_id`. With `n > 1` the gateway names choice `i`'s
 interaction `{response.id}-{i}` (see serving/completions.py), and so does the trace. An
 episode's later turns carry its first turn's interaction id in `metadata.episode_id`, so the
 platform counts an episode's reward once however many turns it took.
+
+Conversations: with a `session` (an environment's, `TaskEnv.session`), the tool calls run on
+the session's own state and a plain reply goes to the session's user, whose answer is appended
+as a `user` message and the episode goes on, until the user ends it or `max_turns`.
 """
 
 from __future__ import annotations
@@ -139,12 +143,20 @@ class _Episode:
     tools: ToolRegistry
     max_turns: int
     group_id: str | None
+    session: Any | None = None
+    """The environment's conversation (`TaskEnv.session`): its tools run the calls, and its
+    user answers plain replies until it ends the episode."""
     turns: list[Turn] = field(default_factory=list)
     answer: str | None = None
     stop: Stop | None = None
 
+    def __post_init__(self) -> None:
+        if self.session is not None:
+            self.tools = self.session.tools
+
     def fork(self) -> "_Episode":
-        return _Episode([dict(m) for m in self.messages], self.tools, self.max_turns, self.group_id)
+        return _Episode([dict(m) for m in self.messages], self.tools, self.max_turns, self.group_id,
+                        self.session.fork() if self.session is not None else None)
 
     def take(self, interaction_id: str, message: dict[str, Any], finish_reason: str | None,
              prompt_tokens: int, completion_tokens: int) -> None:
@@ -160,8 +172,12 @@ class _Episode:
             self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": executed.result})
         self.turns.append(Turn(interaction_id, index, tuple(calls), finish_reason, prompt_tokens, completion_tokens))
         if self.stop is None and not calls:
-            self.stop = "reply"
-            self.answer = None if self.tools.has_final else message.get("content")
+            said = self.session.reply(message.get("content") or "") if self.session is not None else None
+            if said is None:
+                self.stop = "reply"
+                self.answer = None if self.tools.has_final else message.get("content")
+            else:
+                self.messages.append({"role": "user", "content": said})
         if self.stop is None and len(self.turns) >= self.max_turns:
             self.stop = "max_turns"
 
@@ -222,8 +238,8 @@ class _AgentConfig:
             kw["extra_body"] = body
         return kw
 
-    def _new(self, messages: list[dict[str, Any]], group_id: str | None) -> _Episode:
-        return _Episode([dict(m) for m in messages], self.tools, self.max_turns, group_id)
+    def _new(self, messages: list[dict[str, Any]], group_id: str | None, session: Any | None = None) -> _Episode:
+        return _Episode([dict(m) for m in messages], self.tools, self.max_turns, group_id, session)
 
     def _fail(self, ep: _Episode, e: Exception) -> AgentError:
         return AgentError(f"model {self.model!r}: call {len(ep.turns) + 1} of the episode (group "
@@ -247,8 +263,9 @@ class _AgentConfig:
 class Agent(_AgentConfig):
     """Runs episodes with a sync OpenAI-compatible client."""
 
-    def run(self, messages: list[dict[str, Any]], *, group_id: str | None = None) -> EpisodeTrace:
-        return self.run_group(messages, 1, group_id=group_id)[0]
+    def run(self, messages: list[dict[str, Any]], *, group_id: str | None = None,
+            session: Any | None = None) -> EpisodeTrace:
+        return self.run_group(messages, 1, group_id=group_id, session=session)[0]
 
     def respond(self, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         """One model call on `messages`: (interaction id, assistant message). The call runs in a
@@ -260,10 +277,12 @@ class Agent(_AgentConfig):
         turn = ep.turns[0]
         return turn.interaction_id, ep.messages[turn.message_index]
 
-    def run_group(self, messages: list[dict[str, Any]], n: int, *, group_id: str | None = None) -> list[EpisodeTrace]:
-        """`n` episodes from the same prompt sharing `group_id` (a fresh one when None and n > 1)."""
+    def run_group(self, messages: list[dict[str, Any]], n: int, *, group_id: str | None = None,
+                  session: Any | None = None) -> list[EpisodeTrace]:
+        """`n` episodes from the same prompt sharing `group_id` (a fresh one when None and n > 1),
+        each in its own copy of `session` (the environment's conversation, when it has one)."""
         group_id = group_id or (f"grp-{uuid.uuid4().hex}" if n > 1 else None)
-        first = self._new(messages, group_id)
+        first = self._new(messages, group_id, session)
         episodes = [first.fork() for _ in range(n)]
         self._call(episodes, first.messages, n)
         for ep in episodes:
@@ -282,13 +301,14 @@ class Agent(_AgentConfig):
 class AsyncAgent(_AgentConfig):
     """Runs episodes with an async OpenAI-compatible client; a group's branches run concurrently."""
 
-    async def run(self, messages: list[dict[str, Any]], *, group_id: str | None = None) -> EpisodeTrace:
-        return (await self.run_group(messages, 1, group_id=group_id))[0]
+    async def run(self, messages: list[dict[str, Any]], *, group_id: str | None = None,
+                  session: Any | None = None) -> EpisodeTrace:
+        return (await self.run_group(messages, 1, group_id=group_id, session=session))[0]
 
-    async def run_group(self, messages: list[dict[str, Any]], n: int, *,
-                        group_id: str | None = None) -> list[EpisodeTrace]:
+    async def run_group(self, messages: list[dict[str, Any]], n: int, *, group_id: str | None = None,
+                        session: Any | None = None) -> list[EpisodeTrace]:
         group_id = group_id or (f"grp-{uuid.uuid4().hex}" if n > 1 else None)
-        first = self._new(messages, group_id)
+        first = self._new(messages, group_id, session)
         episodes = [first.fork() for _ in range(n)]
         await self._call(episodes, first.messages, n)
 

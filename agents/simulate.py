@@ -130,10 +130,10 @@ class OperatorSimulator:
         """Corrections of the agent's turns along the right path from `prompt` + `fix` on."""
         out: list[FeedbackIn] = []
         for _ in range(self.max_follow if self.follow is not None else 0):
-            results = self._tool_results(fix)
-            if results is None:                       # the path ended: a final call or a plain reply
+            following = self.env.follow(problem, prompt, fix)
+            if following is None:                     # the path ended: a final call or the last reply
                 break
-            prompt = [*prompt, fix, *results]
+            prompt = [*prompt, fix, *following]
             try:
                 iid, response = self.follow.respond(prompt)
             except AgentError as e:
@@ -143,20 +143,6 @@ class OperatorSimulator:
             if not same_action(fix, response):
                 out.append(_correction(iid, fix))
         return out
-
-    def _tool_results(self, message: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The tool messages that answer `message`'s calls; None when nothing follows it."""
-        calls = message.get("tool_calls") or []
-        if not calls:
-            return None
-        results = []
-        for call in calls:
-            fn = call["function"]
-            if self.env.tools.get(fn["name"]).final:
-                return None
-            results.append({"role": "tool", "tool_call_id": call["id"],
-                            "content": self.env.tools.call(fn["name"], fn.get("arguments") or "")})
-        return results
 
 
 class ThumbsUser:
@@ -214,11 +200,12 @@ class TenantTraffic:
         # reply is scored alone (a group of one would have no sibling to be compared with)
         group_id = None if self.user else f"{self.tenant}-{uuid.uuid4().hex[:16]}"
         try:
-            traces = self.agent.run_group(list(problem.messages), self.group_size, group_id=group_id)
+            traces = self.agent.run_group(list(problem.messages), self.group_size, group_id=group_id,
+                                          session=self.env.session(problem))
         except AgentError as e:
             log.warning("tenant %s: rollout group %s failed: %s", self.tenant, group_id or "(single reply)", e)
             return f"group {group_id or '(single reply)'}: {e}"
-        return [Rollout(problem, t, self.env.reward(problem, t.answer)) for t in traces]
+        return [Rollout(problem, t, self.env.score(problem, t)) for t in traces]
 
     def problems_for(self, step: int) -> list[Problem]:
         """The training problems of step `step` (fixed by the traffic's seed)."""
@@ -275,7 +262,7 @@ def _greedy_rewards(agent: Agent, env: TaskEnv, problems: Sequence[Problem], con
     greedy = dataclasses.replace(agent, temperature=0.0)
 
     def one(p: Problem) -> float:
-        return env.reward(p, greedy.run(list(p.messages)).answer)
+        return env.score(p, greedy.run(list(p.messages), session=env.session(p)))
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return list(pool.map(one, problems))

@@ -145,3 +145,39 @@ class TaskEnv:
     def correction(self, problem: Problem, prompt: list[dict[str, Any]]) -> dict[str, Any]:
         """The assistant message that should follow `prompt` (an operator's correction)."""
         return dict(problem.reference[0])
+
+    # --- conversations (environments whose episodes have state or a user who answers) ------
+
+    max_turns: int | None = None
+    """Model calls an episode needs at most, when the environment knows (None: the agent's own)."""
+
+    def session(self, problem: Problem) -> Any | None:
+        """A fresh conversation for `problem`: an object with `tools` (a `ToolRegistry` bound
+        to the episode's own state), `reply(text)` (the user's answer to a plain reply of the
+        agent; None ends the episode) and `fork()` (a fresh copy). None: the episode is the
+        agent and the stateless `tools` alone, and a plain reply ends it."""
+        return None
+
+    def score(self, problem: Problem, trace: Any) -> float:
+        """The reward of a whole episode (an `EpisodeTrace`): by default, of its answer."""
+        return self.reward(problem, trace.answer)
+
+    def breakdown(self, problem: Problem, messages: list[dict[str, Any]]) -> dict[str, float]:
+        """Per-rule results of a whole conversation, for reports; {} when the reward has no rules."""
+        return {}
+
+    def follow(self, problem: Problem, prompt: list[dict[str, Any]],
+               message: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The messages that follow `message` after `prompt` on a path an operator walks: the
+        results of its tool calls; None when the path ends there (a plain reply, a final tool)."""
+        calls = message.get("tool_calls") or []
+        if not calls:
+            return None
+        results = []
+        for call in calls:
+            fn = call["function"]
+            if self.tools.get(fn["name"]).final:
+                return None
+            results.append({"role": "tool", "tool_call_id": call["id"],
+                            "content": self.tools.call(fn["name"], fn.get("arguments") or "")})
+        return results

@@ -18,6 +18,13 @@ def env(request):
     return ENVIRONMENTS[request.param]()
 
 
+@pytest.fixture(params=sorted(n for n in ENVIRONMENTS if n != "retail"))
+def answer_env(request):
+    """The environments whose reward is the answer's alone (retail scores a whole conversation;
+    its own tests are in test_retail.py)."""
+    return ENVIRONMENTS[request.param]()
+
+
 def _reference_answer(env, problem):
     """What the agent's answer is when it follows the reference."""
     last = problem.reference[-1]
@@ -50,14 +57,16 @@ def test_difficulty_is_respected_and_validated(env):
         env.problem(1, "extreme")
 
 
-def test_reference_earns_full_reward_and_garbage_earns_none(env):
+def test_reference_earns_full_reward_and_garbage_earns_none(answer_env):
+    env = answer_env
     for p in env.train_problems(30, seed=11):
         assert env.reward(p, _reference_answer(env, p)) == 1.0, p.key
         assert env.reward(p, None) == 0.0
         assert env.reward(p, "") == 0.0
 
 
-def test_prompts_and_references_stay_short(env):
+def test_prompts_and_references_stay_short(answer_env):
+    env = answer_env
     for p in env.held_out() + env.held_out("unseen"):
         assert len(p.key) < 160, p.key
         assert len(json.dumps(p.reference[-1])) < 260
@@ -100,7 +109,8 @@ def _unseen(env):
     return [env.problem(seed, d, "unseen") for seed in range(300) for d in env.difficulties]
 
 
-def test_unseen_phrasings_share_no_sentence_skeleton_and_no_word_with_traffic(env):
+def test_unseen_phrasings_share_no_sentence_skeleton_and_no_word_with_traffic(answer_env):
+    env = answer_env
     traffic = {skeleton(env, p.key) for p in _traffic(env) + env.held_out()}
     unseen = {skeleton(env, p.key) for p in _unseen(env) + env.held_out("unseen")}
     # every template of each family was drawn, so disjointness covers them all
@@ -110,7 +120,8 @@ def test_unseen_phrasings_share_no_sentence_skeleton_and_no_word_with_traffic(en
         assert not set(same_words) & set(unseen_words)
 
 
-def test_no_unseen_problem_matches_a_training_template_with_any_words_in_its_slots(env):
+def test_no_unseen_problem_matches_a_training_template_with_any_words_in_its_slots(answer_env):
+    env = answer_env
     traffic = _traffic(env)
     patterns = [template_pattern(s) for s in {skeleton(env, p.key) for p in traffic}]
     assert all(any(pat.fullmatch(p.key) for pat in patterns) for p in traffic)     # the patterns describe traffic
@@ -141,7 +152,8 @@ def _wrong_answer(env, problem) -> str:
     return json.dumps({k: "nothing" for k in problem.expected})
 
 
-def test_unseen_references_earn_full_reward_and_wrong_answers_none(env):
+def test_unseen_references_earn_full_reward_and_wrong_answers_none(answer_env):
+    env = answer_env
     problems = env.held_out("unseen") + _unseen(env)[:60]
     for p in problems:
         assert env.reward(p, _reference_answer(env, p)) == 1.0, p.key
