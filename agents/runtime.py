@@ -171,6 +171,8 @@ class _Episode:
                 break
             self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": executed.result})
         self.turns.append(Turn(interaction_id, index, tuple(calls), finish_reason, prompt_tokens, completion_tokens))
+        if self.stop is None and not calls and self.session is not None and len(self.turns) >= self.max_turns:
+            self.stop = "max_turns"  # the user is not asked: no turn is left to answer it
         if self.stop is None and not calls:
             said = self.session.reply(message.get("content") or "") if self.session is not None else None
             if said is None:

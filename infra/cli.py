@@ -487,8 +487,10 @@ def bench_experiments(
         steps: int = typer.Option(None, help="Steps K per experiment (speed: 5)"),
         group_size: int = typer.Option(None, help="Episodes per prompt (GRPO group; speed: 4)"),
         prompts_per_step: int = typer.Option(None, help="Prompts per step (speed: 2)"),
-        max_tokens: int = typer.Option(48, help="max_tokens per model call"),
-        max_turns: int = typer.Option(3, help="Model calls per episode at most"),
+        env: str = typer.Option("arithmetic", "--env", help="arithmetic (calculator and final answer; also "
+                                "`calc`) or retail (customer-service conversations with a simulated customer)"),
+        max_tokens: int = typer.Option(None, help="max_tokens per model call (arithmetic: 48, retail: 64)"),
+        max_turns: int = typer.Option(None, help="Model calls per episode at most (arithmetic: 3, retail: 10)"),
         temperature: float = typer.Option(1.0, help="Sampling temperature of the rollouts"),
         algorithm: str = typer.Option("rl", help="rl (rewards, GRPO-style) or sft (operator corrections)"),
         difficulty: str = typer.Option(None, help="easy | medium | hard | mixed (speed: easy)"),
@@ -506,7 +508,7 @@ def bench_experiments(
         init_adapter: str = typer.Option(None, "--init-adapter", help="A PEFT LoRA adapter folder every "
                                          "experiment's tenant starts from (served as v1 before step 1)"),
         log_level: str = "WARNING"):
-    """N RL experiments of K steps on arithmetic tool use: one after another on fresh platforms
+    """N RL experiments of K steps on a tool-use task: one after another on fresh platforms
     (cold) vs all at once on one warm platform. Prints a table (with the step growth B's measured
     core-seconds allow) and the reward curves, writes JSON and a reward plot."""
     from clora.infra.experiments import BenchConfig, main as run_bench
@@ -521,7 +523,8 @@ def bench_experiments(
             given["difficulty"] = None if difficulty == "mixed" else \
                 _choice("--difficulty", difficulty, ("easy", "medium", "hard"))
         config = BenchConfig.from_preset(
-            preset, **given, max_tokens=max_tokens, max_turns=max_turns, temperature=temperature,
+            preset, **given, env=_choice("--env", "arithmetic" if env == "calc" else env, ("arithmetic", "retail")),
+            max_tokens=max_tokens, max_turns=max_turns, temperature=temperature,
             algorithm=_choice("--algorithm", algorithm, ("rl", "sft")), model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
             step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter,

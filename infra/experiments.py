@@ -1,11 +1,15 @@
 """`clora bench experiments`: N independent RL experiments, one after another vs all at once.
 
     clora bench experiments [--preset speed|learn] [--n 1,2,4,8] [--steps 5] [--algorithm rl|sft]
-                            [--model smollm2|<HF dir>] [--init-adapter DIR] [--reward-threshold 0.8]
+                            [--env arithmetic|retail] [--model smollm2|<HF dir>] [--init-adapter DIR]
+                            [--reward-threshold 0.8]
     python benchmarks/bench_experiments.py ...      # the same command
 
-Each experiment trains one fresh tenant for K synchronous (on-policy) steps on the arithmetic
-tool-use task. One step:
+Each experiment trains one fresh tenant for K synchronous (on-policy) steps on a tool-use task:
+arithmetic (`--env arithmetic`, the default: a calculator call and a final answer) or retail
+(`--env retail`: long customer-service conversations with the store's eight tools and a
+simulated customer, `clora.agents.envs.retail`; the table then also reports the mean turns per
+episode and each reward rule's pass rate). One step:
 
 1. rollout — `TenantTraffic.step()`: `prompts_per_step` problems × `group_size` episodes
    through the gateway, sampled from the tenant's live version; rewards (and, for
@@ -82,8 +86,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from clora.agents.envs import ArithmeticEnv
-from clora.agents.envs.base import DIFFICULTIES, Difficulty
+from clora.agents.envs import ArithmeticEnv, RetailEnv
+from clora.agents.envs.base import DIFFICULTIES, Difficulty, TaskEnv
 from clora.agents.feedback import FeedbackClient
 from clora.agents.runtime import Agent
 from clora.agents.simulate import HeldOutScores, OperatorSimulator, StepReport, TenantTraffic, evaluate_held_out
@@ -105,6 +109,13 @@ PRESETS: dict[str, dict] = {
     "learn": {"ns": (1, 4), "steps": 16, "prompts_per_step": 2, "group_size": 8, "learning_rate": 3e-4,
               "difficulty": "easy"},
 }
+ENV_DEFAULTS: dict[str, dict[str, int]] = {
+    "arithmetic": {"max_tokens": 48, "max_turns": 3},
+    # a tool call with its JSON arguments fits 64 tokens; 10 turns of them, the customer's
+    # answers, the system prompt and the eight tool schemas stay inside SmolLM2's 2048
+    "retail": {"max_tokens": 64, "max_turns": 10},
+}
+"""Per environment: max_tokens per model call and model calls per episode, unless given."""
 Outcome = Literal["published", "rejected", "no data", "no spread", "train timeout", "sync timeout"]
 
 
@@ -120,8 +131,11 @@ class BenchConfig:
     steps: int = 5
     group_size: int = 4
     prompts_per_step: int = 2
-    max_tokens: int = 48
-    max_turns: int = 3
+    env: Literal["arithmetic", "retail"] = "arithmetic"
+    max_tokens: int | None = None
+    """None: the environment's (`ENV_DEFAULTS`)."""
+    max_turns: int | None = None
+    """None: the environment's (`ENV_DEFAULTS`)."""
     temperature: float = 1.0
     algorithm: Literal["rl", "sft"] = "rl"
     difficulty: Difficulty | None = "easy"
@@ -148,6 +162,12 @@ class BenchConfig:
     """Which `PRESETS` entry the knobs started from (`from_preset`)."""
 
     def __post_init__(self) -> None:
+        if self.env not in ENV_DEFAULTS:
+            raise ValueError(f"--env must be one of {', '.join(ENV_DEFAULTS)}, got {self.env!r}")
+        if self.max_tokens is None:
+            object.__setattr__(self, "max_tokens", ENV_DEFAULTS[self.env]["max_tokens"])
+        if self.max_turns is None:
+            object.__setattr__(self, "max_turns", ENV_DEFAULTS[self.env]["max_turns"])
         if not self.ns or min(self.ns) < 1 or self.steps < 1:
             raise ValueError(f"--n must list counts >= 1 and --steps must be >= 1 (got {self.ns}, {self.steps})")
         if self.eval_size < 0:
@@ -195,6 +215,11 @@ class StepRecord:
     errors: int = 0
     import_s: float = 0.0
     """Before the rollout: the wait for the imported v1 to be served (step 1 with --init-adapter)."""
+    turns: float = 0.0
+    """Mean model calls per episode of the step's rollouts."""
+    rules: dict[str, float] | None = None
+    """Per reward rule, the share of the step's rollouts that met it (retail's breakdown; None
+    for an environment without rules)."""
 
     @property
     def seconds(self) -> float:
@@ -289,6 +314,7 @@ def summarize(experiments: Sequence[ExperimentResult], threshold: float = 0.8,
         outcomes[s.outcome] = outcomes.get(s.outcome, 0) + 1
     learner = [s.learner_s for s in steps if s.learner_s is not None]
     held = [e.held_out for e in experiments if e.held_out is not None]
+    ruled = [s.rules for s in steps if s.rules]
     return {
         "experiments": len(experiments),
         "wall_s": max(e.ended for e in experiments) - min(e.started for e in experiments),
@@ -300,6 +326,8 @@ def summarize(experiments: Sequence[ExperimentResult], threshold: float = 0.8,
         "mean_train_s": statistics.fmean(s.train_s for s in steps),
         "mean_sync_s": statistics.fmean(s.sync_s for s in steps),
         "mean_learner_step_s": statistics.fmean(learner) if learner else None,
+        "mean_turns": statistics.fmean(s.turns for s in steps),
+        "rules": {k: statistics.fmean(r[k] for r in ruled) for k in ruled[0]} if ruled else None,
         "final_rewards": finals,
         "reward_mean": reward_mean,
         "reward_std": reward_std,
@@ -476,6 +504,24 @@ def table(report: dict) -> Table:
     return t
 
 
+def episodes_table(report: dict) -> Table:
+    """Per mode and N: the mean model calls per episode and, for an environment whose reward has
+    rules (retail), the share of rollouts that met each."""
+    rows = [(f"{label}, N = {r['n']}", r[mode]) for r in report["rows"]
+            for mode, label in (("sequential", "A"), ("concurrent", "B"))]
+    rules = next((s["rules"] for _, s in rows if s.get("rules")), None) or {}
+    t = Table(title="episodes: model calls per episode" + (", and the share of rollouts meeting each reward rule "
+                                                           "(reward = state and info)" if rules else ""))
+    t.add_column("mode, N")
+    t.add_column("turns per episode", justify="right")
+    for rule in rules:
+        t.add_column(rule, justify="right")
+    for label, s in rows:
+        t.add_row(label, f"{s['mean_turns']:.1f}", *(f"{(s.get('rules') or {}).get(k, float('nan')):.2f}"
+                                                     for k in rules))
+    return t
+
+
 def curve_table(report: dict) -> Table:
     """Mean rollout reward at each step: mode A (the first N experiments) and mode B, per N."""
     rows = report["rows"]
@@ -509,7 +555,7 @@ def plot(report: dict, path: Path) -> Path | None:
         ax.plot(range(1, len(ys) + 1), ys, "--s", label=f"B: concurrent, warm, N={n}")
     ax.axhline(report["config"]["reward_threshold"], color="grey", lw=0.8, ls=":", label="reward threshold")
     ax.set(xlabel="step", ylabel="mean rollout reward", ylim=(-0.05, 1.05),
-           title=f"arithmetic tool use, {report['config']['algorithm']}: reward per step")
+           title=f"{report['config']['env']} tool use, {report['config']['algorithm']}: reward per step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -537,13 +583,23 @@ def training_examples(report: StepReport, algorithm: str) -> int:
     return sum(not is_heldout(f"{event_id}:sft", fraction) for event_id in report.correction_ids)
 
 
+def episode_stats(env: TaskEnv, report: StepReport) -> dict:
+    """A step's mean model calls per episode and each reward rule's pass rate over its rollouts."""
+    if not report.rollouts:
+        return {"turns": 0.0, "rules": None}
+    breakdowns = [env.breakdown(r.problem, list(r.trace.messages)) for r in report.rollouts]
+    return {"turns": statistics.fmean(len(r.trace.turns) for r in report.rollouts),
+            "rules": {k: statistics.fmean(b[k] for b in breakdowns) for k in breakdowns[0]} if breakdowns[0] else None}
+
+
 EVAL_CONCURRENCY = 8
 """Held-out episodes in flight per scored tenant (within a tenant's share of the engine)."""
 
 
-def bench_env(config: BenchConfig) -> ArithmeticEnv:
+def bench_env(config: BenchConfig) -> TaskEnv:
     """The task every experiment trains on, held out at the traffic's difficulty."""
-    return ArithmeticEnv(difficulties=(config.difficulty,) if config.difficulty else DIFFICULTIES)
+    difficulties = (config.difficulty,) if config.difficulty else DIFFICULTIES
+    return RetailEnv(difficulties) if config.env == "retail" else ArithmeticEnv(difficulties=difficulties)
 
 
 @dataclass(frozen=True)
@@ -591,6 +647,7 @@ class Experiment:
     def __init__(self, stack: Stack, tenant: str, index: int, config: BenchConfig,
                  on_step: Callable[[str, StepRecord], None] | None = None, counters: LearnerCounters | None = None):
         self.stack, self.tenant, self.index, self.c, self.on_step = stack, tenant, index, config, on_step
+        self.env = bench_env(config)
         self.counters = counters or LearnerCounters(lambda: httpx.get(stack.learner_metrics, timeout=30).text,
                                                     config.poll_s)
         self.http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {stack.admin_token}"})
@@ -600,7 +657,7 @@ class Experiment:
     def run(self) -> list[StepRecord]:
         from openai import OpenAI
 
-        c, env = self.c, bench_env(self.c)
+        c, env = self.c, self.env
         key = self.key = self._create_tenant()
         client = OpenAI(base_url=self.stack.gateway + "/v1", api_key=key, max_retries=2, timeout=600)
         agent = Agent(client, self.tenant, tools=env.tools, max_turns=c.max_turns, temperature=c.temperature,
@@ -629,7 +686,7 @@ class Experiment:
         with `base` of the base model."""
         from openai import OpenAI
 
-        env = bench_env(self.c)
+        env = self.env
         model = "base" if base or self.live is None else served_name(self.tenant, self.live)
         with OpenAI(base_url=self.stack.gateway + "/v1", api_key=self.key, max_retries=2, timeout=600) as client:
             agent = Agent(client, model, tools=env.tools, max_turns=self.c.max_turns, max_tokens=self.c.max_tokens)
@@ -660,7 +717,7 @@ class Experiment:
         n = training_examples(report, self.c.algorithm)
         common = dict(step=report.step + 1, sampled_version=sampled, reward=report.mean_reward,
                       rollouts=len(report.rollouts), train_examples=n, rollout_s=report.seconds,
-                      errors=len(report.errors), import_s=import_s)
+                      errors=len(report.errors), import_s=import_s, **episode_stats(self.env, report))
         if n == 0:
             return StepRecord(**common, train_s=0.0, sync_s=0.0, outcome="no data")
         started = time.monotonic()
@@ -756,7 +813,7 @@ class Bench:
 
     def run(self) -> dict:
         c = self.config
-        self.console.print(f"[bold]clora bench experiments[/]: N = {list(c.ns)}, {c.steps} steps each, "
+        self.console.print(f"[bold]clora bench experiments[/] ({c.env}): N = {list(c.ns)}, {c.steps} steps each, "
                            f"{c.prompts_per_step} prompts × group {c.group_size}, {c.algorithm}, model {c.model}, "
                            f"{c.training_mode} learner" + (f", tenants from {c.init_adapter}" if c.init_adapter else "")
                            + f"; data under {self.root}")
@@ -768,6 +825,7 @@ class Bench:
                               self.launcher.split(concurrent=True))
         self.console.print(table(report))
         self.console.print(curve_table(report))
+        self.console.print(episodes_table(report))
         self._verdict(report)
         out = Path(c.out)
         out.parent.mkdir(parents=True, exist_ok=True)

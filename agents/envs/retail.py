@@ -186,6 +186,7 @@ class Customer:
     goal: Goal
     family: Family
     volunteers: bool
+    patience: int = MAX_UNHELPFUL
     told: set[str] = field(default_factory=set)
     unhelpful: int = 0
     said_yes: bool = False
@@ -229,7 +230,7 @@ class Customer:
             self.told.add("new_address")
             return self._say("new_address")
         self.unhelpful += 1
-        if self.unhelpful > MAX_UNHELPFUL:
+        if self.unhelpful > self.patience:
             self.ended = True
             return None
         return self._say("again", request=self.request())
@@ -253,11 +254,11 @@ class RetailSession:
     """One conversation: the store, the tools bound to it, and the customer. The runtime calls
     `reply` with each plain agent reply; `tools` runs the agent's tool calls."""
 
-    def __init__(self, problem: Problem):
-        self.problem = problem
+    def __init__(self, problem: Problem, patience: int = MAX_UNHELPFUL):
+        self.problem, self.patience = problem, patience
         goal: Goal = problem.expected
         self.store = StoreSession(copy.deepcopy(goal.store))
-        self.customer = Customer(goal, problem.family, volunteers=problem.difficulty == "easy")
+        self.customer = Customer(goal, problem.family, volunteers=problem.difficulty == "easy", patience=patience)
         self.customer.opening()
         self.tools: ToolRegistry = store_tools(self.store)
         self.confirmed_writes = 0
@@ -265,7 +266,7 @@ class RetailSession:
         self.identified_before_writes = True
 
     def fork(self) -> "RetailSession":
-        return RetailSession.replay(self.problem, [])
+        return RetailSession(self.problem, self.patience)
 
     def reply(self, text: str) -> str | None:
         return self.customer.reply(text, self.store)
@@ -278,10 +279,11 @@ class RetailSession:
             self.identified_before_writes &= self.store.customer is not None
 
     @classmethod
-    def replay(cls, problem: Problem, messages: list[dict[str, Any]]) -> "RetailSession":
+    def replay(cls, problem: Problem, messages: list[dict[str, Any]],
+               patience: int = MAX_UNHELPFUL) -> "RetailSession":
         """The session as it stands after `messages` (the conversation after the problem's own
         messages): every tool call run again, every plain reply shown to the customer again."""
-        s = cls(problem)
+        s = cls(problem, patience)
         for m in messages:
             if m.get("role") != "assistant":
                 continue
@@ -301,8 +303,13 @@ class RetailSession:
 class RetailEnv(TaskEnv):
     name = "retail"
     tools = store_tools(None)
-    max_turns = 16
-    """Model calls an episode may take: the reference needs at most 10."""
+    max_turns = 10
+    """Model calls an episode may take: the reference needs at most 8."""
+
+    def __init__(self, difficulties: tuple[Difficulty, ...] = DIFFICULTIES, patience: int = MAX_UNHELPFUL):
+        super().__init__(difficulties)
+        self.patience = patience
+        """Replies that go nowhere the customer tolerates before it leaves."""
 
     def _make(self, rng: random.Random, difficulty: Difficulty) -> Problem:
         return self._problem(rng, difficulty, "same")
@@ -328,7 +335,7 @@ class RetailEnv(TaskEnv):
         return Problem(self.name, difficulty, opening, messages, goal, tuple(reference_conversation(problem)), family)
 
     def session(self, problem: Problem) -> RetailSession:
-        return RetailSession(problem)
+        return RetailSession(problem, self.patience)
 
     def reward(self, problem: Problem, answer: str | None) -> float:
         raise TypeError("retail: the reward needs the whole conversation; use score(problem, trace)")
@@ -339,7 +346,7 @@ class RetailEnv(TaskEnv):
     def breakdown(self, problem: Problem, messages: list[dict[str, Any]]) -> dict[str, float]:
         """Per-rule results of a whole conversation (`messages`, the problem's own first), each
         1.0 or 0.0; `reward` is `state` and `info` together."""
-        s = RetailSession.replay(problem, messages[len(problem.messages):])
+        s = RetailSession.replay(problem, messages[len(problem.messages):], self.patience)
         goal: Goal = problem.expected
         replies = [m.get("content") or "" for m in messages[len(problem.messages):]
                    if m.get("role") == "assistant" and not m.get("tool_calls")]
@@ -355,13 +362,13 @@ class RetailEnv(TaskEnv):
 
     def correction(self, problem: Problem, prompt: list[dict[str, Any]]) -> dict[str, Any]:
         """The reference agent's next message after `prompt` (the problem's messages first)."""
-        return reference_action(problem, RetailSession.replay(problem, prompt[len(problem.messages):]))
+        return reference_action(problem, RetailSession.replay(problem, prompt[len(problem.messages):], self.patience))
 
     def follow(self, problem: Problem, prompt: list[dict[str, Any]],
                message: dict[str, Any]) -> list[dict[str, Any]] | None:
         """What follows `message` after `prompt`: its tool results, or the customer's answer to a
         plain reply; None once the conversation is over."""
-        s = RetailSession.replay(problem, prompt[len(problem.messages):])
+        s = RetailSession.replay(problem, prompt[len(problem.messages):], self.patience)
         calls = message.get("tool_calls") or []
         if not calls:
             said = s.reply(message.get("content") or "")

@@ -37,12 +37,13 @@ def platform(tmp_path_factory, tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLORA_")}
     env.update({f"CLORA_{k}": str(v) for k, v in ports.items()})
     env.update(CLORA_DATA_DIR=str(root / "data"), CLORA_ENGINE_MODEL=str(model), CLORA_LEARNER_BASE_MODEL=str(model),
-               CLORA_ENGINE_PORTS=json.dumps([free_port()]), CLORA_ENGINE_MAX_MODEL_LEN="512",
+               CLORA_ENGINE_PORTS=json.dumps([free_port()]), CLORA_ENGINE_MAX_MODEL_LEN="2048",
                CLORA_ENGINE_MAX_LORA_RANK="8", CLORA_LEARNER_RANK="4", CLORA_LEARNER_ALPHA="8",
                CLORA_LEARNER_IDLE_SLEEP_S="0.2", CLORA_GATEWAY_REGISTRY_POLL_S="0.2",
                # the RL tests send two groups of 16 at once: the whole engine (1 replica x 32
                # sequences), more than the default half a tenant may hold (429 when they overlap)
                CLORA_GATEWAY_TENANT_ENGINE_SHARE="1.0")
+    # 2048: a retail conversation of 8 turns on the byte-level tokenizer (test_retail_episodes)
     log = root / "up.log"
     up = subprocess.Popen([sys.executable, "-m", "clora.infra.cli", "up"], env=env, stdout=open(log, "wb"),
                           stderr=subprocess.STDOUT)

@@ -469,3 +469,36 @@ def test_mode_b_s_experiments_read_one_shared_counter_cache():
     assert shared.scrapes == 1
     alone = Experiment(stack, "c", 2, BenchConfig())
     assert alone.counters is not shared and alone.counters.max_age_s == BenchConfig().poll_s
+
+
+def test_retail_steps_report_turns_per_episode_and_each_rules_pass_rate():
+    from clora.agents.envs import RetailEnv
+    from clora.infra.experiments import episode_stats, episodes_table
+
+    config = BenchConfig(env="retail", ns=(1,), steps=1, eval_size=0)
+    assert (config.max_tokens, config.max_turns) == (64, 10)          # the environment's defaults
+    assert (BenchConfig().max_tokens, BenchConfig().max_turns) == (48, 3)
+    with pytest.raises(ValueError, match="--env must be one of"):
+        BenchConfig(env="chess")
+    env = RetailEnv()
+    p = env.problem(3, "medium")
+    right = EpisodeTrace(tuple(p.messages) + tuple(p.reference), tuple(
+        Turn(f"i{k}", k, (), "stop", 1, 1) for k in range(sum(m["role"] == "assistant" for m in p.reference))),
+        None, "reply")
+    silent = EpisodeTrace(tuple(p.messages) + ({"role": "assistant", "content": "Bye."},),
+                          (Turn("j", 2, (), "stop", 1, 1),), None, "reply")
+    report = StepReport("t", 0, (Rollout(p, right, 1.0), Rollout(p, silent, 0.0)), 0, 0, (), 1.0)
+    stats = episode_stats(env, report)
+    assert stats["turns"] == (len(right.turns) + 1) / 2 and stats["rules"]["reward"] == 0.5
+    assert stats["rules"]["state"] == 0.5 and stats["rules"]["customer_ended"] == 0.5
+    assert episode_stats(ArithmeticEnv(), dataclasses.replace(report, rollouts=()))["rules"] is None
+
+    rec = dataclasses.replace(step(1, 0.5), **stats)
+    exp = ExperimentResult("e0", 0, 0, 9, (rec,), startup_s=1.0)
+    report = json.loads(json.dumps(build_report(config, [exp], {1: [exp]}, 0.0)))
+    assert report["rows"][0]["concurrent"]["rules"]["state"] == 0.5
+    assert report["rows"][0]["sequential"]["mean_turns"] == stats["turns"]
+    console = Console(record=True, width=300)
+    console.print(episodes_table(report))
+    text = console.export_text()
+    assert "turns per episode" in text and "customer_ended" in text and "A, N = 1" in text
