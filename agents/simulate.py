@@ -62,10 +62,18 @@ class StepReport:
         return sum(r.reward for r in self.rollouts) / len(self.rollouts) if self.rollouts else 0.0
 
 
-def reward_records(rollout: Rollout, key: str = "reward") -> list[FeedbackIn]:
-    """The episode's reward on every turn it took (each turn is one interaction)."""
+def reward_records(rollout: Rollout, key: str = "reward", comment: str | None = None) -> list[FeedbackIn]:
+    """The episode's reward on every turn it took (each turn is one interaction), with `comment`
+    (the reward's per-rule breakdown, shown in the console) when given."""
     return [FeedbackIn(interaction_id=iid, event_id=f"env-{iid}", source="environment", score=rollout.reward,
-                       key=key) for iid in rollout.trace.interaction_ids]
+                       key=key, comment=comment) for iid in rollout.trace.interaction_ids]
+
+
+def rules_comment(rules: dict[str, float]) -> str | None:
+    """A reward's per-rule breakdown as the console shows it beside the score:
+    "state ✓ · info ✗ · identified_first ✓" (None: the reward has no rules)."""
+    shown = {k: v for k, v in rules.items() if k != "reward"}
+    return " · ".join(f"{k} {'✓' if v >= 1.0 else '✗'}" for k, v in shown.items()) or None
 
 
 def _call_key(call: dict[str, Any]) -> tuple[str, Any]:
@@ -223,7 +231,9 @@ class TenantTraffic:
             reviews = list(pool.map(self.operator.review, rollouts)) if self.operator else []
         errors = tuple(res for res in results if isinstance(res, str))
         rewards = [rec for r in rollouts
-                   for rec in (self.user.thumbs(r) if self.user else reward_records(r, key=self.env.name))]
+                   for rec in (self.user.thumbs(r) if self.user else reward_records(
+                       r, key=self.env.name,
+                       comment=rules_comment(self.env.breakdown(r.problem, list(r.trace.messages)))))]
         corrections = [rec for review in reviews for rec in review]
         if rewards or corrections:
             self.feedback.send_batch(rewards + corrections)

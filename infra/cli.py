@@ -462,8 +462,8 @@ def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Pri
 def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo, start to final table"),
          eval_size: int = typer.Option(20, help="Held-out problems per tenant in each held-out set (same-template "
                                        "and unseen phrasings) for the base/final scores"),
-         tenants: str = typer.Option("", help="Comma-separated demo tenants to run (default: all of calc, "
-                                     "support, extract, greet)"),
+         tenants: str = typer.Option("", help="Comma-separated demo tenants to run (default: calc, "
+                                     "support, extract, greet; add shop for retail customer service)"),
          log_level: str = "WARNING"):
     """The platform teaching four tenants four skills, three from operator corrections and one from a user's
     thumbs alone, live, ending with base vs final scores."""

@@ -1,6 +1,6 @@
 """`clora demo`: the whole platform teaching four tenants four different skills, live.
 
-    clora demo [--minutes 10] [--eval-size 20] [--tenants calc,support,extract,greet]
+    clora demo [--minutes 10] [--eval-size 20] [--tenants calc,support,extract,greet[,shop]]
 
 It brings up the embedded stack (broker, Redis, webhook, ingest, learner, vLLM serving,
 console) on SmolLM2-135M-Instruct, creates the tenants and runs their agents
@@ -12,6 +12,7 @@ concurrently through the OpenAI gateway:
 | `support` | support     | greet the customer by name, cite the order, sign off    | corrections     |
 | `extract` | structured  | answer with exactly the JSON object asked for           | corrections     |
 | `greet`   | support     | greet the customer by name                              | thumbs only     |
+| `shop`    | retail      | serve a store's customers over many turns with its tools (only when named) | corrections |
 
 The first three get every answer's reward as feedback (source `environment`; their `sft`
 policy does not train on it) and a simulated operator corrects their wrong answers (source
@@ -40,7 +41,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from clora.agents.envs import ArithmeticEnv, StructuredEnv, SupportEnv
+from clora.agents.envs import ArithmeticEnv, RetailEnv, StructuredEnv, SupportEnv
 from clora.agents.envs.base import TaskEnv
 from clora.agents.envs.support import RULES as SUPPORT_RULES
 from clora.agents.feedback import FeedbackClient
@@ -66,6 +67,10 @@ class DemoTenant:
     (a simulated user's noisy thumbs up/down on single replies, nothing else)."""
     task: str | None = None
     """The task's name in the tables (default: the environment's)."""
+    max_turns: int = 3
+    """Model calls per episode at most."""
+    max_tokens: int = 48
+    """max_tokens per model call."""
 
 
 POLICY = {"algorithm": "sft", "learning_rate": 2e-3, "batch_size": 8, "min_new_examples": 2, "fresh_fraction": 1.0}
@@ -120,6 +125,20 @@ thumbs up; nothing tells the model what they want but the thumbs. The base model
 name in about 1 reply in 10 at the traffic's temperature, which is what a policy gradient
 needs to start from: it can raise what the model sometimes does, not invent what it never
 does."""
+
+SHOP_POLICY = CALC_POLICY
+"""The retail tenant learns, like calc, a tool-call format and then a path of several turns
+(identify the customer, look the order up, confirm, act, report), each turn's correction only
+reachable once the turns before it are served right: the same small batches, large share and
+loose gate."""
+
+OPTIONAL_TENANTS = (
+    DemoTenant("shop", RetailEnv(difficulties=("easy",)), SHOP_POLICY, task="retail: customer service (easy)",
+               max_turns=RetailEnv.max_turns, max_tokens=64),
+)
+"""Tenants the demo runs only when `--tenants` names them: `shop`'s conversations take up to
+10 model calls each on prompts that carry eight tool schemas, several times another tenant's
+serving time on 2 cores."""
 
 FINAL_EVAL_RESERVE = 1.8
 """Time left for the final evaluation, in units of the base evaluation's time, with a margin:
@@ -273,7 +292,7 @@ class Demo:
         from openai import OpenAI
 
         client = OpenAI(base_url=gateway + "/v1", api_key=key, max_retries=2, timeout=300)
-        return Agent(client, t.id, tools=t.env.tools, max_turns=3, temperature=0.7, max_tokens=48)
+        return Agent(client, t.id, tools=t.env.tools, max_turns=t.max_turns, temperature=0.7, max_tokens=t.max_tokens)
 
     def _score_all(self, agents: dict[str, Agent], base: bool = False,
                    pinned: dict[str, int | None] | None = None) -> dict[str, HeldOutScores]:
@@ -450,10 +469,11 @@ def _interrupt(*_) -> None:
 
 
 def pick_tenants(names: str | None) -> tuple[DemoTenant, ...]:
-    """The demo tenants named in a comma-separated list ("calc,greet"); None or "": all."""
+    """The demo tenants named in a comma-separated list ("calc,greet", "calc,shop"); None or "":
+    the four default ones (`TENANTS`; `OPTIONAL_TENANTS` only when named)."""
     if not names:
         return TENANTS
-    by_id = {t.id: t for t in TENANTS}
+    by_id = {t.id: t for t in TENANTS + OPTIONAL_TENANTS}
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     if unknown := [n for n in wanted if n not in by_id]:
         raise ValueError(f"unknown demo tenant(s) {', '.join(unknown)}; choose from {', '.join(by_id)}")

@@ -344,6 +344,9 @@ def test_tenant_traffic_scores_retail_conversations(fake_openai, openai_client, 
     assert report.rewards_sent == turns and turns >= 4 * 5
     ids = [r.interaction_id for r in fake_webhook.accepted]
     assert len(ids) == len(set(ids)) == turns
+    comments = {r.comment for r in fake_webhook.accepted}          # the rules, for the console
+    assert comments == {"state ✓ · info ✓ · identified_first ✓ · confirmed_writes ✓ · no_refusals ✓ · "
+                        "customer_ended ✓"}
 
 
 def test_store_copies_do_not_leak_between_problems():

@@ -60,6 +60,9 @@ def test_the_report_puts_same_template_and_unseen_scores_side_by_side(tmp_path, 
 def test_the_demo_runs_the_tenants_named_and_refuses_unknown_ones():
     assert pick_tenants(None) == pick_tenants("") == TENANTS
     assert [t.id for t in pick_tenants("greet, calc,greet")] == ["greet", "calc"]
+    shop = pick_tenants("calc,shop")[1]                        # retail only when named
+    assert shop.env.name == "retail" and "shop" not in {t.id for t in TENANTS}
+    assert (shop.max_turns, shop.max_tokens) == (10, 64) and shop.feedback == "corrections"
     with pytest.raises(ValueError, match="unknown demo tenant.*nope.*choose from calc, support, extract, greet"):
         pick_tenants("calc,nope")
     greet = next(t for t in TENANTS if t.id == "greet")
