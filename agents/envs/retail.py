@@ -422,47 +422,35 @@ def reference_action(problem: Problem, s: RetailSession) -> dict[str, Any]:
     if g.kind == "address" and "new_address" not in told:
         return _say("What is the new shipping address?")
     if not goal_met(g, store.store):
-        if not s.customer.said_yes:
-            return _say(_proposal(g))
-        return _write(g)
-    return _say(_done(g))
+        proposal, write, _ = _script(g)
+        return write if s.customer.said_yes else _say(f"{proposal} Shall I proceed?")
+    return _say(_script(g)[2])
 
 
-def _proposal(g: Goal) -> str:
-    if g.kind == "cancel":
-        return f"I can cancel order #{g.order_id} and refund {money(order_total(g.store, g.order_id))}. Shall I proceed?"
-    if g.kind == "address":
-        return f"I can ship order #{g.order_id} to {g.new_address} instead. Shall I proceed?"
-    if g.kind == "return":
-        return f"I can return the {item_name(g.item)} from order #{g.order_id}. Shall I proceed?"
-    if g.kind == "exchange":
-        return f"I can exchange the {item_name(g.item)} for the {item_name(g.new_item)}. Shall I proceed?"
-    return "A human agent can help with a price adjustment. Shall I transfer you?"
-
-
-def _write(g: Goal) -> dict[str, Any]:
-    if g.kind == "cancel":
-        return _call("cancel_order", "call_write", order_id=g.order_id, reason=g.reason)
-    if g.kind == "address":
-        return _call("change_address", "call_write", order_id=g.order_id, address=g.new_address)
-    if g.kind == "return":
-        return _call("return_items", "call_write", order_id=g.order_id, item_ids=[g.item])
-    if g.kind == "exchange":
-        return _call("exchange_items", "call_write", order_id=g.order_id, item_ids=[g.item], new_item_ids=[g.new_item])
-    return _call("transfer_to_human", "call_write",
-                 summary=f"Customer {g.name} wants a price adjustment on the {item_name(g.item)} of order {g.order_id}.")
-
-
-def _done(g: Goal) -> str:
-    if g.kind == "cancel":
-        return f"Order #{g.order_id} is cancelled. {g.info[0]} will be refunded to your original payment method."
-    if g.kind == "address":
-        return f"Done: order #{g.order_id} will ship to {g.new_address}."
-    if g.kind == "return":
-        return f"Your return is accepted. {g.info[0]} will be refunded once we receive the {item_name(g.item)}."
-    if g.kind == "exchange":
-        return f"Your exchange is accepted. The price difference is {g.info[0]}."
-    return "I have transferred you to a human agent, who will contact you about the price adjustment."
+def _script(g: Goal) -> tuple[str, dict[str, Any], str]:
+    """The reference's proposal (before "Shall I proceed?"), its write call, and its closing
+    reply for the goal (`refuse_cancel` has none: it is refused before any proposal)."""
+    order = f"order #{g.order_id}"
+    item, new = (item_name(g.item) if g.item else ""), (item_name(g.new_item) if g.new_item else "")
+    info = g.info[0] if g.info else ""
+    write = lambda tool, **args: _call(tool, "call_write", order_id=g.order_id, **args)  # noqa: E731
+    return {
+        "cancel": (f"I can cancel {order} and refund {money(order_total(g.store, g.order_id))}.",
+                   write("cancel_order", reason=g.reason),
+                   f"{order[0].upper()}{order[1:]} is cancelled. {info} will be refunded to your original payment "
+                   "method."),
+        "address": (f"I can ship {order} to {g.new_address} instead.", write("change_address", address=g.new_address),
+                    f"Done: {order} will ship to {g.new_address}."),
+        "return": (f"I can return the {item} from {order}.", write("return_items", item_ids=[g.item]),
+                   f"Your return is accepted. {info} will be refunded once we receive the {item}."),
+        "exchange": (f"I can exchange the {item} for the {new}.",
+                     write("exchange_items", item_ids=[g.item], new_item_ids=[g.new_item]),
+                     f"Your exchange is accepted. The price difference is {info}."),
+        "transfer": ("A human agent can help with a price adjustment, I can transfer you.",
+                     _call("transfer_to_human", "call_write",
+                           summary=f"Customer {g.name} wants a price adjustment on the {item} of {order}."),
+                     "I have transferred you to a human agent, who will contact you about the price adjustment."),
+    }[g.kind]
 
 
 def reference_conversation(problem: Problem, max_turns: int = 16) -> list[dict[str, Any]]:
