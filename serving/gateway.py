@@ -117,6 +117,19 @@ class Unrecorded(RuntimeError):
     """A served completion whose interaction event did not become durable."""
 
 
+SALT_KEY = "clora:gateway:cache_salt_key"
+"""The Redis key of the prefix-cache salt key all gateways share."""
+
+
+def shared_salt_key(client) -> bytes:
+    """The prefix-cache salt key every gateway on this Redis uses: the first to start makes it
+    (SET NX), the rest read it. Example: two gateways give tenant `acme` the same `cache_salt`,
+    so vLLM reuses `acme`'s cached system prompt whichever gateway sent the request; other
+    tenants' salts still differ, so nothing is shared across tenants."""
+    client.set(SALT_KEY, secrets.token_hex(32), nx=True)
+    return bytes.fromhex(client.get(SALT_KEY).decode())
+
+
 @dataclass
 class Gateway:
     settings: GatewaySettings
@@ -133,7 +146,9 @@ class Gateway:
     """Where both quotas count: Redis, shared by every gateway (`QuotaStore.connect`); this
     process's memory when not given."""
     salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
-    """Keys each tenant's prefix-cache salt (`cache_salt`); never leaves the gateway."""
+    """Keys each tenant's prefix-cache salt (`cache_salt`); never leaves the gateways. Every
+    gateway of a deployment uses the same one (`shared_salt_key`), so a tenant's cached prefixes
+    serve its requests through any of them."""
     _released: asyncio.Condition = field(default_factory=asyncio.Condition, init=False)
     """Notified each time a request has released everything it held."""
     freshness: FreshnessTracker | None = None

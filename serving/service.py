@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ from clora.storage import StorageSettings, open_storage
 from clora.ingest.producer import EventProducer
 from clora.serving.aliases import AliasTable
 from clora.serving.engine import EngineManager
-from clora.serving.gateway import Gateway, create_app
+from clora.serving.gateway import Gateway, create_app, shared_salt_key
 from clora.serving.hotswap import AdapterEventListener, HotSwapper
 from clora.serving.interactions import InteractionLogger
 from clora.serving.metrics import GatewayMetrics
@@ -146,7 +147,8 @@ class ServingService:
             if self.listen_adapter_events:
                 listener = AdapterEventListener(self.kafka_bootstrap, swapper, self.loop)
                 listener.start()
-            self.gateway = Gateway(gs, registry, engine, swapper, logger, metrics=metrics, quota_store=quota_store)
+            self.gateway = Gateway(gs, registry, engine, swapper, logger, metrics=metrics, quota_store=quota_store,
+                                   salt_key=await asyncio.to_thread(self._salt_key, registry))
             config = uvicorn.Config(create_app(self.gateway), host=gs.host, port=gs.port, log_level="warning",
                                     lifespan="off", timeout_graceful_shutdown=5,
                                     timeout_keep_alive=HTTP_KEEP_ALIVE_S)
@@ -178,6 +180,16 @@ class ServingService:
             await asyncio.to_thread(logger.stop)
             if quota_store is not None:
                 await quota_store.close()
+
+    @staticmethod
+    def _salt_key(registry: Registry) -> bytes:
+        """The deployment's shared prefix-cache salt key; with Redis down at start, one of this
+        gateway's own (tenants stay apart, only their cached prefixes are not shared)."""
+        try:
+            return shared_salt_key(registry.r)
+        except redis.RedisError as e:
+            log.warning("prefix-cache salt key not shared (Redis: %s): this gateway uses its own", e)
+            return secrets.token_bytes(32)
 
     def _export(self, metrics: GatewayMetrics):
         """Serve the gateway's metrics on `metrics_host:metrics_port` (the loopback unless configured:
