@@ -78,6 +78,14 @@ class Stream:
                 time.sleep(0.2)                      # a client's back-off, not a wait for an event
 
 
+def answers(client: redis.Redis) -> bool:
+    """Whether Redis accepts connections and answers (a restarted process may not listen yet)."""
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
 def test_kills_during_a_stream_lose_and_duplicate_nothing(tmp_path, wait_for):
     crash = tmp_path / "crash-after-store"
     with running_platform(tmp_path / "data", ["webhook", "ingest"], CLORA_INGEST_WORKERS="2",
@@ -111,7 +119,9 @@ def test_kills_during_a_stream_lose_and_duplicate_nothing(tmp_path, wait_for):
         wait_for(lambda: stream.sent() >= N * 6 // 10 or stream.done.is_set(), timeout=180, what="60% streamed")
         r = platform.stack.processes["redis"]
         r.signal(signal.SIGKILL)
-        wait_for(lambda: r.restarts == 1 and r.alive(), timeout=60, what="Redis's restart")
+        # alive is not listening: Redis answers once it has loaded its data, and the reads below need it
+        wait_for(lambda: r.restarts == 1 and r.alive() and answers(client), timeout=60,
+                 what="Redis's restart (answering again)")
 
         assert stream.done.wait(300) and stream.error is None, stream.error
         assert len(stream.accepted) == N
