@@ -285,19 +285,29 @@ class RetailSession:
         messages): every tool call run again, every plain reply shown to the customer again."""
         s = cls(problem, patience)
         for m in messages:
-            if m.get("role") != "assistant":
-                continue
-            calls = m.get("tool_calls") or []
-            for call in calls:
-                fn = call.get("function") or {}
-                try:
-                    s.tools.call(fn.get("name") or "", fn.get("arguments") or "")
-                    s.after_tool(fn.get("name") or "")
-                except Exception:  # noqa: BLE001 - a refused call changes nothing, as in the episode
-                    pass
-            if not calls:
-                s.reply(m.get("content") or "")
+            if m.get("role") == "assistant":
+                s.take(m)
         return s
+
+    def take(self, message: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Run the agent's `message` here: the results of its tool calls (a refusal as its
+        error text, as the runtime shows it), or the customer's answer to a plain reply; None
+        once the customer ends the conversation."""
+        calls = message.get("tool_calls") or []
+        if not calls:
+            said = self.reply(message.get("content") or "")
+            return None if said is None else [{"role": "user", "content": said}]
+        out = []
+        for call in calls:
+            fn = call.get("function") or {}
+            name = fn.get("name") or ""
+            try:
+                result = self.tools.call(name, fn.get("arguments") or "")
+                self.after_tool(name)
+            except Exception as e:  # noqa: BLE001 - a refused call changes nothing, as in the episode
+                result = f"error: {e}"
+            out.append({"role": "tool", "tool_call_id": call.get("id"), "content": result})
+        return out
 
 
 class RetailEnv(TaskEnv):
@@ -368,20 +378,7 @@ class RetailEnv(TaskEnv):
                message: dict[str, Any]) -> list[dict[str, Any]] | None:
         """What follows `message` after `prompt`: its tool results, or the customer's answer to a
         plain reply; None once the conversation is over."""
-        s = RetailSession.replay(problem, prompt[len(problem.messages):], self.patience)
-        calls = message.get("tool_calls") or []
-        if not calls:
-            said = s.reply(message.get("content") or "")
-            return None if said is None else [{"role": "user", "content": said}]
-        out = []
-        for call in calls:
-            fn = call["function"]
-            try:
-                result = s.tools.call(fn["name"], fn.get("arguments") or "")
-            except Exception as e:  # noqa: BLE001 - shown to the model as the runtime does
-                result = f"error: {e}"
-            out.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-        return out
+        return RetailSession.replay(problem, prompt[len(problem.messages):], self.patience).take(message)
 
 
 def _carries(reply: str, want: str) -> bool:
@@ -460,16 +457,8 @@ def reference_conversation(problem: Problem, max_turns: int = 16) -> list[dict[s
     for _ in range(max_turns):
         message = reference_action(problem, s)
         out.append(message)
-        calls = message.get("tool_calls") or []
-        if not calls:
-            said = s.reply(message["content"])
-            if said is None:
-                return out
-            out.append({"role": "user", "content": said})
-            continue
-        for call in calls:
-            fn = call["function"]
-            result = s.tools.call(fn["name"], fn["arguments"])
-            s.after_tool(fn["name"])
-            out.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        following = s.take(message)
+        if following is None:
+            return out
+        out += following
     raise RuntimeError(f"retail: the reference agent did not finish {problem.key!r} in {max_turns} turns")
