@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -117,6 +118,9 @@ class DeviceSlot:
             self.params.append((pa, pb))
         self.tenant: str | None = None
         self.pending: CopyHandle | None = None
+        self.reduce: Callable[[torch.Tensor], None] | None = None
+        """Completes the grad row after each backward where the model splits its arithmetic over
+        processes (`MegatronLoraModel.reduce_grads`); None where one process computes it all."""
 
     @property
     def nbytes(self) -> int:
@@ -139,10 +143,13 @@ class DeviceSlot:
             self.weights.copy_(self.master)
 
     def fold_grads(self) -> None:
-        """After a backward: move compute-dtype grads into the fp32 grad row (no-op in fp32)."""
+        """After a backward: move compute-dtype grads into the fp32 grad row (no-op in fp32), then
+        add the other processes' shares where the model is split (`reduce`)."""
         if self.separate:
             self.grad.add_(self.grads.float())
             self.grads.zero_()
+        if self.reduce is not None:
+            self.reduce(self.grad)
 
 
 @dataclass
@@ -170,6 +177,7 @@ class AdapterStore:
         self._states: dict[str, AdapterState] = {}
         self._active = DeviceSlot(self.layout, self.device, compute_dtype)
         self._staging = DeviceSlot(self.layout, self.device, compute_dtype)
+        self._active.reduce = self._staging.reduce = getattr(model, "reduce_grads", None)
         self._lock = threading.RLock()
         self.stats = SwapStats()
 

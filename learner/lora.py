@@ -205,6 +205,7 @@ class LoraModel(nn.Module):
             parent = base_model.get_submodule(parent_name)
             setattr(parent, leaf, LoraLinear(getattr(parent, leaf), self.bank, i))
         self.model = base_model
+        self.eval()   # no LoRA dropout outside a training step (which switches to train mode)
 
     @property
     def spec(self) -> LoraSpec:

@@ -1,0 +1,91 @@
+"""One scenario on the learner's model, run the same way on the default backend (in the test's
+process) and on the megatron backend (here, under `torchrun`, one process per tensor-parallel
+rank). Rank 0 writes what it measured to `<out>` (torch.save).
+
+    python -m torch.distributed.run --standalone --nproc-per-node=T tests/learner/megatron_job.py JOB OUT
+
+JOB is a torch.save'd dict: `model_dir`, `tp`, `spec` (LoraSpec kwargs) and the scenario's inputs
+(see `run`). The followers run `MegatronLoraModel.follow` until rank 0 is done.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def run(model, tokenizer, job: dict, out_dir: Path | None = None) -> dict:
+    """The scenario on `model` (a LoraModel or a MegatronLoraModel, rank 0):
+
+    1. `probe`: with the flat adapter `job["flat"]` bound, per-token logprobs of `job["probe"]`
+       (SFT examples) and the gradient of their SFT loss (through `fold_grads`, as a step does);
+    2. `steps`: `job["steps"]` = [(tenant, seed, policy kwargs, examples)] trained in order with
+       the learner's own Trainer and store; the StepResults and each tenant's final (4, P) state;
+    3. `published`: each tenant's adapter written as a PEFT folder under `out_dir` (if given).
+    """
+    from clora.learner.adapter_store import AdapterStore
+    from clora.learner.batches import ChatEncoder
+    from clora.learner.losses import sft_loss
+    from clora.learner.peft_io import write_adapter
+    from clora.learner.trainer import Trainer, TrainingPolicy, target_logprobs
+
+    torch.manual_seed(0)
+    store = AdapterStore(model, prefetch=False)
+    trainer = Trainer(model, ChatEncoder(tokenizer, 128), store)
+    out: dict = {}
+
+    store.register("probe", seed=1)
+    slot = store.activate("probe")
+    slot.master.copy_(job["flat"])
+    slot.sync_weights()
+    batch = trainer.encoder.sft(job["probe"])
+    lp = target_logprobs(model, None, batch)
+    sft_loss(lp, batch.loss_mask).backward()
+    slot.fold_grads()
+    out["probe_logprobs"], out["probe_mask"] = lp.detach().clone(), batch.loss_mask.clone()
+    out["probe_grad"] = slot.grad.clone()
+    slot.grad.zero_()
+
+    results = []
+    for tenant, seed, policy, examples in job["steps"]:
+        if tenant not in store.tenants():
+            store.register(tenant, seed=seed)
+        r = trainer.train_step(tenant, examples, TrainingPolicy(**policy))
+        results.append((tenant, r.step, r.loss, r.grad_norm))
+    out["steps"] = results
+    out["states"] = {t: store.state(t).buffer.clone() for t in store.tenants() if t != "probe"}
+    if out_dir is not None:
+        for t in out["states"]:
+            folder = out_dir / f"adapter-{t}"
+            folder.mkdir(parents=True, exist_ok=True)
+            write_adapter(folder, model.layout, store.state(t).master, "tiny")
+    return out
+
+
+def main(job_path: str, out_path: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from transformers import AutoTokenizer
+
+    from clora.learner import megatron_tp as mt
+    from clora.learner.lora import LoraSpec
+
+    job = torch.load(job_path, weights_only=False)
+    mt.init_parallel(job["tp"], timeout_s=120)
+    model = mt.MegatronLoraModel(job["model_dir"], LoraSpec(**job["spec"]))
+    if model.rank != 0:
+        model.follow()
+        return
+    try:
+        tok = AutoTokenizer.from_pretrained(str(job["model_dir"]))
+        result = run(model, tok, job, Path(out_path).parent)
+        torch.save(result, out_path)
+    finally:
+        model.stop_followers()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
