@@ -377,7 +377,22 @@ def learner(log_level: str = "INFO"):
     _logging(log_level)
     bootstrap, redis_url = _urls()
     _trainapi_defaults()
-    main(LearnerSettings(), bootstrap, redis_url, external=make_tinker_work)
+    settings = LearnerSettings()
+    if settings.backend == "megatron" and settings.tensor_parallel > 1 and "LOCAL_RANK" not in os.environ:
+        _exec_torchrun(settings.tensor_parallel, ["learner", "--log-level", log_level])
+    main(settings, bootstrap, redis_url, external=make_tinker_work)
+
+
+def _exec_torchrun(processes: int, args: list[str]) -> None:
+    """Become torch's launcher (`torchrun`) running `clora <args>` in `processes` processes on this
+    host: the megatron backend's tensor-parallel ranks. The pid stays the same, so whoever watches
+    this process watches the group: torchrun stops every rank when one fails, and exits."""
+    _learner_base_model()   # converted once here, not by every rank at once
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={processes}", "--max-restarts=0", "-m", "clora.infra.cli", *args])
 
 
 @app.command("trainapi")

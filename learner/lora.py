@@ -211,6 +211,10 @@ class LoraModel(nn.Module):
     def spec(self) -> LoraSpec:
         return self.layout.spec
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
     def bind(self, params: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Point every LoraLinear at these (A, B) tensors (from `layout.views`); None = base only."""
         self.bank.params = params

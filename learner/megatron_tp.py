@@ -66,6 +66,17 @@ class MegatronBackendError(RuntimeError):
     """The base model or the settings cannot run on the megatron backend."""
 
 
+class ParallelGroupError(BaseException):
+    """A collective failed: another rank died or stopped answering. Not an `Exception`, so the
+    learner's per-tenant error handling cannot take it for one tenant's failed step and train on
+    with a group that can never answer again."""
+
+
+EXIT_GROUP_BROKEN = 75
+"""The learner's exit status when its process group broke (torchrun then stops the other ranks,
+and whoever runs the learner starts it again, from its checkpoints)."""
+
+
 # --- process group and megatron's parallel state ----------------------------------------------
 
 
@@ -412,7 +423,8 @@ class _GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.model._scatter_grad(ctx.fid, grad), None, None
+        with ctx.model._collective("backward"):
+            return ctx.model._scatter_grad(ctx.fid, grad), None, None
 
 
 class MegatronLoraModel(nn.Module):
@@ -435,6 +447,9 @@ class MegatronLoraModel(nn.Module):
         self._own: tuple[torch.Tensor, list[tuple[nn.Parameter, nn.Parameter]]] | None = None
         """Followers: their copy of the bound weights (P,) and its LoRA parameters (grads in `_grad`)."""
         self._grad: torch.Tensor | None = None
+        self.exit_on_failure = False
+        """Exit the process (`EXIT_GROUP_BROKEN`) when a collective fails, instead of raising
+        `ParallelGroupError`: what the learner process does (set by `clora learner`)."""
         self.eval()   # no LoRA dropout outside a training step (which switches to train mode)
 
     # --- LoraModel's interface ---
@@ -475,36 +490,60 @@ class MegatronLoraModel(nn.Module):
         header = {"op": _FORWARD, "id": fid, "shape": tuple(input_ids.shape), "mask": attention_mask is not None,
                   "bound": bound, "training": self.training, "grad": torch.is_grad_enabled(),
                   "rng": gen.get_state() if (gen is not None and self.training and self.spec.dropout > 0) else None}
-        self._send(header)
-        if self.world > 1:
-            self._bcast(input_ids.to(self.device))
-            if attention_mask is not None:
-                self._bcast(attention_mask.to(self.device))
-            if weights is not None:
-                self._bcast(weights.to(self.device))
-        shard = self._shard_logits(input_ids, attention_mask)
-        if self.world == 1:
-            return shard
-        return _GatherVocab.apply(shard, self, fid)
+        with self._collective("forward"):
+            self._send(header)
+            if self.world > 1:
+                self._bcast(input_ids.to(self.device))
+                if attention_mask is not None:
+                    self._bcast(attention_mask.to(self.device))
+                if weights is not None:
+                    self._bcast(weights.to(self.device))
+            shard = self._shard_logits(input_ids, attention_mask)
+            if self.world == 1:
+                return shard
+            return _GatherVocab.apply(shard, self, fid)
 
     def reduce_grads(self, grad: torch.Tensor) -> None:
         """After a backward (rank 0, `DeviceSlot.fold_grads`): add the other ranks' shares of the
         split ranges into `grad` (P,), so it is the whole gradient."""
         if self.world == 1 or self.rank != 0:
             return
-        self._send({"op": _REDUCE})
-        self._reduce_into(grad)
+        with self._collective("gradient reduction"):
+            self._send({"op": _REDUCE})
+            self._reduce_into(grad)
 
     def keepalive(self) -> None:
         """Rank 0, idle: tell the followers it is alive (their wait has the group's timeout)."""
         if self.world > 1 and self.rank == 0:
-            self._send({"op": _PING})
+            with self._collective("keepalive"):
+                self._send({"op": _PING})
 
     def stop_followers(self) -> None:
+        """Rank 0, at the end: let the other ranks return from `follow`. Quietly nothing where
+        they are gone already."""
         if self.world > 1 and self.rank == 0:
-            self._send({"op": _STOP})
+            try:
+                self._send({"op": _STOP})
+            except Exception as e:  # noqa: BLE001 - the group is already broken: nobody left to stop
+                log.warning("could not stop the other ranks: %s", e)
 
     # --- the SPMD plumbing ---
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """A failed collective means a broken group: never one tenant's error (`ParallelGroupError`)."""
+        try:
+            yield
+        except (ParallelGroupError, MegatronBackendError):
+            raise
+        except RuntimeError as e:
+            if not isinstance(e, dist.DistError) and "gloo" not in str(e).lower() and "nccl" not in str(e).lower():
+                raise
+            log.critical("the tensor-parallel group broke during the %s: %s", what, e)
+            if self.exit_on_failure:
+                logging.shutdown()
+                os._exit(EXIT_GROUP_BROKEN)
+            raise ParallelGroupError(f"the tensor-parallel group broke during the {what}: {e}") from e
 
     def _send(self, header: dict) -> None:
         if self.world > 1:

@@ -97,7 +97,12 @@ class Learner:
         self.buffer = buffer
         self.metrics = metrics or LearnerMetrics()
         spec = LoraSpec(rank=settings.rank, alpha=settings.alpha, target_modules=settings.target_modules)
-        self.model = LoraModel(model, spec)
+        if isinstance(model, LoraModel) or hasattr(model, "reduce_grads"):   # wrapped already (megatron)
+            if model.spec != spec:
+                raise ValueError(f"the model's LoRA spec {model.spec} is not the settings' {spec}")
+            self.model = model
+        else:
+            self.model = LoraModel(model, spec)
         self.store = AdapterStore(self.model, device=device, prefetch=settings.prefetch,
                                   compute_dtype=getattr(torch, settings.compute_dtype),
                                   max_tenants=settings.max_tenants, max_host_bytes=settings.max_host_bytes)
@@ -329,9 +334,12 @@ class Learner:
         """Tick until `stop` is set; then checkpoint every tenant trained since its last checkpoint.
         Each pass beats the heartbeat `clora up` watches (`CLORA_HEARTBEAT_FILE`)."""
         heartbeat = Heartbeat.from_env()
+        keepalive = getattr(self.model, "keepalive", None)   # the megatron backend's other ranks wait on it
         try:
             while not stop.is_set():
                 heartbeat.beat()
+                if keepalive is not None:
+                    keepalive()
                 if self.tick() is None:
                     if self.external is not None:
                         self.external.wait(self.s.idle_sleep_s)   # new external work wakes it at once
@@ -387,6 +395,26 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    path = prepare_base_model(settings.base_model, settings.models_dir)
+    dtype = getattr(torch, settings.compute_dtype)
+    if settings.backend == "megatron":
+        from transformers import AutoTokenizer
+
+        from clora.learner import megatron_tp
+
+        megatron_tp.init_parallel(settings.tensor_parallel, timeout_s=settings.parallel_timeout_s)
+        spec = LoraSpec(rank=settings.rank, alpha=settings.alpha, target_modules=settings.target_modules)
+        model = megatron_tp.MegatronLoraModel(path, spec, dtype=dtype)
+        model.exit_on_failure = True   # a broken group restarts the learner from its checkpoints
+        if model.rank != 0:
+            for sig in (signal.SIGTERM, signal.SIGINT):   # rank 0 says when to stop, after its checkpoints
+                signal.signal(sig, signal.SIG_IGN)
+            model.follow()
+            return
+        tok = AutoTokenizer.from_pretrained(str(path))
+        log.info("megatron backend: the base split over %d ranks", settings.tensor_parallel)
+    else:
+        model, tok = load_base_model(path, dtype=dtype, device=device)
     if settings.metrics_port:
         from prometheus_client import REGISTRY, start_http_server
 
@@ -394,8 +422,6 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
         metrics = LearnerMetrics(REGISTRY)
     else:
         metrics = LearnerMetrics()
-    path = prepare_base_model(settings.base_model, settings.models_dir)
-    model, tok = load_base_model(path, dtype=getattr(torch, settings.compute_dtype), device=device)
     client = redis.Redis.from_url(redis_url)
     producer = EventProducer(kafka_bootstrap)
     storage = StorageSettings()
@@ -412,4 +438,9 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
              settings.lease_ttl_s, "in the S3 store" if storage.backend == "s3" else f"in {settings.checkpoints_dir}")
     if external is not None:
         learner.external = external(learner, client)
-    learner.run_forever(stop)
+    try:
+        learner.run_forever(stop)
+    finally:
+        stop_followers = getattr(learner.model, "stop_followers", None)
+        if stop_followers is not None:
+            stop_followers()

@@ -37,6 +37,17 @@ class LearnerSettings(BaseSettings):
     step, checkpoint and publish). A learner killed with -9 hands its tenants over within this +
     one tick of the others. Keep it above the longest tick (a step with its gate and publish):
     a lease that lapses mid-step costs that step."""
+    backend: Literal["default", "megatron"] = "default"
+    """`CLORA_LEARNER_BACKEND`: how the frozen base runs. `default`: the Hugging Face model on one
+    device. `megatron`: a megatron-core GPTModel split over `tensor_parallel` processes
+    (`clora.learner.megatron_tp`), for bases beyond one device; `clora learner` launches the
+    processes with torchrun. Llama-family bases only; serial training only."""
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
+    """Megatron backend: T, the processes (devices) the base is split over. The base's attention
+    heads, key/value heads, MLP width and vocabulary must divide by it (SmolLM2-135M: 1 or 3)."""
+    parallel_timeout_s: float = Field(default=600.0, ge=10)
+    """Megatron backend: how long a rank waits in a collective for the others before the group is
+    declared broken (the learner then exits, and restarts from its checkpoints)."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:1`, ..."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -114,6 +125,14 @@ class LearnerSettings(BaseSettings):
         if self.lease_ttl_s < 3 * self.idle_sleep_s:
             raise ValueError(f"lease_ttl_s ({self.lease_ttl_s:g}) must be at least 3 x idle_sleep_s "
                              f"({self.idle_sleep_s:g}): an idle learner renews its leases once per tick")
+        return self
+
+    @model_validator(mode="after")
+    def _backend(self) -> "LearnerSettings":
+        if self.backend == "megatron" and self.training_mode != "serial":
+            raise ValueError("the megatron backend trains one tenant per step: use training_mode serial")
+        if self.tensor_parallel > 1 and self.backend != "megatron":
+            raise ValueError(f"tensor_parallel {self.tensor_parallel} needs backend megatron")
         return self
 
     @model_validator(mode="after")

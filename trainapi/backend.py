@@ -101,8 +101,7 @@ class InProcessBackend:
         self.store, self.model = trainer.store, trainer.model
         spec = self.model.spec
         targets = frozenset(spec.target_modules)
-        vocab = self.model.model.get_output_embeddings().weight.shape[0]
-        self._caps = LoraCapabilities(spec.rank, spec.alpha, ATTENTION <= targets, MLP <= targets, vocab)
+        self._caps = LoraCapabilities(spec.rank, spec.alpha, ATTENTION <= targets, MLP <= targets, self.model.vocab_size)
 
     def capabilities(self) -> LoraCapabilities:
         return self._caps
