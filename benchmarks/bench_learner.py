@@ -2,6 +2,12 @@
 without prefetch, for 1, 2, 4 and 8 tenants interleaved round-robin.
 
     python benchmarks/bench_learner.py [--model smollm2|tiny|<hf dir>] [--steps 8] [--batch 2] [--device cuda]
+    python benchmarks/bench_learner.py --backend megatron --tp 2 [...]
+
+With `--backend megatron` the script runs itself under torchrun as T tensor-parallel ranks
+(`clora.learner.megatron_tp`); rank 0 measures the default backend first, as the baseline, then
+the megatron backend on the same data with the same total CPU threads (each rank gets
+threads / T), and prints both with the ratio of their step times.
 
 Prints a table and writes bench-results/learner.json. Ratios are against the no-prefetch
 baseline measured in the same run (this machine is noisy). "exposed swap" is the wall time
@@ -41,10 +47,17 @@ def _sync(device: torch.device) -> None:
 
 
 def run(model_dir: Path, *, prefetch: bool, tenants: int, steps: int, batch: int, words: int, rank: int,
-        device: torch.device) -> dict:
-    model, tok = load_base_model(model_dir, device=device)
-    lm = LoraModel(model, LoraSpec(rank=rank, alpha=2 * rank))
-    store = AdapterStore(lm, device=device, prefetch=prefetch)
+        device: torch.device, megatron=None, dtype: torch.dtype = torch.float32) -> dict:
+    """One measurement on a fresh default-backend model, or on `megatron` (a MegatronLoraModel,
+    reused: its other ranks follow it)."""
+    if megatron is None:
+        model, tok = load_base_model(model_dir, device=device, dtype=dtype)
+        lm = LoraModel(model, LoraSpec(rank=rank, alpha=2 * rank))
+    else:
+        from transformers import AutoTokenizer
+
+        lm, tok = megatron, AutoTokenizer.from_pretrained(str(model_dir))
+    store = AdapterStore(lm, device=device, prefetch=prefetch, compute_dtype=dtype)
     tr = Trainer(lm, ChatEncoder(tok, 512), store, TrainerConfig(micro_batch_size=batch))
     names = [f"t{i}" for i in range(tenants)]
     for i, t in enumerate(names):
@@ -63,7 +76,8 @@ def run(model_dir: Path, *, prefetch: bool, tenants: int, steps: int, batch: int
     _sync(device)
     wall = time.perf_counter() - t0
     store.close()
-    return {"prefetch": prefetch, "tenants": tenants, "steps": steps, "step_s": wall / steps,
+    return {"backend": "default" if megatron is None else f"megatron T={megatron.world}",
+            "prefetch": prefetch, "tenants": tenants, "steps": steps, "step_s": wall / steps,
             "median_step_s": statistics.median(times),
             "tokens_per_s": tokens / wall, "swaps": store.stats.swaps, "exposed_swap_s": store.stats.exposed_s,
             "exposed_share": store.stats.exposed_s / wall,
@@ -95,16 +109,23 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=12, help="words per message (sets sequence length)")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--tenants", default="1,2,4,8")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads in all (split over the ranks)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
-    ap.add_argument("--out", default="bench-results/learner.json")
+    ap.add_argument("--backend", default="default", choices=["default", "megatron"])
+    ap.add_argument("--tp", type=int, default=2, help="megatron: tensor parallel size (processes)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="megatron: compute dtype")
+    ap.add_argument("--out", default=None, help="default: bench-results/learner.json (learner-megatron.json)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if args.model == "tiny":
         model_dir = make_tiny_model(Path(args.models_dir) / "tiny-bench", hidden_size=128, num_layers=4)
     else:
         model_dir = prepare_base_model(args.model, args.models_dir)
+    if args.backend == "megatron":
+        megatron_main(args, model_dir, device)
+        return
+    torch.set_num_threads(args.threads)
+    out = Path(args.out or "bench-results/learner.json")
     raw_swap = raw_swap_s(model_dir, args.rank, device)
     run(model_dir, prefetch=True, tenants=2, steps=2, batch=args.batch, words=args.words, rank=args.rank,
         device=device)  # warm-up
@@ -129,10 +150,61 @@ def main() -> None:
         print(f"{r['tenants']:>2} {str(r['prefetch']):>8} {r['step_s']:8.3f} {r['median_step_s']:8.3f} {r['tokens_per_s']:8.1f} "
               f"{r['tokens_per_s_ratio_vs_1_tenant']:7.2f} {1e3 * r['exposed_swap_s'] / max(r['swaps'], 1):15.2f} "
               f"{100 * r['exposed_share']:6.2f}% {'' if er is None else f'{er:8.2f}':>8}")
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": str(model_dir), "threads": args.threads, "device": str(device), "raw_swap_s": raw_swap,
                                "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+def dist_backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def megatron_main(args, model_dir: Path, device: torch.device) -> None:
+    """Under torchrun: every rank builds its shard; rank 0 measures the default backend (the
+    baseline, with all the threads while the other ranks wait) and then the megatron backend."""
+    import os
+    import sys
+
+    if "LOCAL_RANK" not in os.environ:   # become torchrun over T copies of this script
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={args.tp}", __file__, *sys.argv[1:]])
+    from clora.learner import megatron_tp
+
+    megatron_tp.init_parallel(args.tp)
+    torch.set_num_threads(max(1, args.threads // args.tp))
+    dtype = getattr(torch, args.dtype)
+    lm = megatron_tp.MegatronLoraModel(model_dir, LoraSpec(rank=args.rank, alpha=2 * args.rank), dtype=dtype)
+    if lm.rank != 0:
+        lm.follow()
+        return
+    try:
+        common = dict(prefetch=True, batch=args.batch, words=args.words, rank=args.rank, device=device, dtype=dtype)
+        tenants = [int(x) for x in args.tenants.split(",")]
+        run(model_dir, tenants=2, steps=2, megatron=lm, **common)  # warm-up
+        rows = []
+        for n in tenants:
+            torch.set_num_threads(args.threads)
+            run(model_dir, tenants=2, steps=2, **common)  # warm-up
+            rows.append(run(model_dir, tenants=n, steps=max(args.steps, n), **common))
+            torch.set_num_threads(max(1, args.threads // args.tp))
+            rows.append(run(model_dir, tenants=n, steps=max(args.steps, n), megatron=lm, **common))
+    finally:
+        lm.stop_followers()
+    base = {r["tenants"]: r for r in rows if r["backend"] == "default"}
+    for r in rows:
+        r["step_ratio_vs_default"] = r["step_s"] / base[r["tenants"]]["step_s"]
+    print(f"model {model_dir}  device {device}  threads {args.threads} in all  LoRA params {rows[0]['lora_params']:,}")
+    print(f"{'N':>2} {'backend':>14} {'step s':>8} {'median s':>8} {'tok/s':>8} {'vs default':>10}")
+    for r in rows:
+        print(f"{r['tenants']:>2} {r['backend']:>14} {r['step_s']:8.3f} {r['median_step_s']:8.3f} "
+              f"{r['tokens_per_s']:8.1f} {r['step_ratio_vs_default']:10.2f}")
+    out = Path(args.out or "bench-results/learner-megatron.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(model_dir), "threads": args.threads, "tp": args.tp, "device": str(device),
+                               "dtype": args.dtype, "backend": dist_backend(), "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 

@@ -14,6 +14,8 @@
 #      without prefetch for 1, 2, 4, 8 tenants                               -> learner.json
 #   4. kernel time: Triton vs per-adapter loop vs gathered bmm on SmolLM2's shapes, with
 #      achieved memory bandwidth for decode-sized batches                    -> kernels.json
+#   5. the megatron learner backend on NCCL in bf16, T = the GPUs present (1 on one H200):
+#      step time against the default backend in bf16 on the same GPU   -> learner-megatron.json
 # Each stage has its own time limit and a failing stage does not stop the next; STAGES picks
 # some (default: "tests fused learner kernels").
 # MODEL: the prepared SmolLM2 by default; any HF model directory with SmolLM2's config does
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-results/gpu}
 PY=${PY:-.venv/bin/python}
 MODEL=${MODEL:-smollm2}
-STAGES=" ${STAGES:-tests fused learner kernels} "
+STAGES=" ${STAGES:-tests fused learner kernels megatron} "
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1
@@ -47,4 +49,7 @@ stage fused 150 "$PY" benchmarks/bench_fused.py --model "$MODEL" --device cuda -
 stage learner 90 "$PY" benchmarks/bench_learner.py --model "$MODEL" --device cuda --steps 8 --batch 8 \
     --out "$OUT/learner.json"
 stage kernels 120 "$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || echo 1)
+stage megatron 150 "$PY" benchmarks/bench_learner.py --backend megatron --tp "$NGPU" --device cuda --dtype bfloat16 \
+    --model "$MODEL" --steps 8 --batch 8 --tenants 1,4 --out "$OUT/learner-megatron.json"
 grep '^=== .*exit' "$LOG"

@@ -2,7 +2,9 @@
 # Run benchmarks/gpu_checks.sh on a bare lent GPU machine (Python 3.12 with CUDA torch, Triton,
 # transformers; no network, no clora install). What must travel with the working tree, made here:
 #   .whl/        pydantic and its needs for Python 3.12 (the machine has none; see the device
-#                notes for `pip download --python-version 3.12 ...`)
+#                notes for `pip download --python-version 3.12 ...`), and megatron-core 0.16.1's
+#                cp312 wheel for the megatron stage (`pip download megatron-core==0.16.1 --no-deps
+#                --only-binary=:all: --python-version 3.12 -d .whl`)
 #   .gpu/smollm2-shape/  SmolLM2's config, tokenizer and chat template, no weights
 # The script installs the wheels into /tmp/site, makes `clora.<name>` importable from the working
 # tree (pyproject's package-dir mapping, without an install: the package pins Python 3.11),

@@ -200,6 +200,7 @@ def build_gpt(hf_dir: Path | str, dtype: torch.dtype = torch.float32):
         add_bias_linear=False, add_qkv_bias=bool(getattr(cfg, "attention_bias", False)),
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=False,
         use_cpu_initialization=True, perform_initialization=False, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, rotary_interleaved=False)
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -484,11 +485,11 @@ class MegatronLoraModel(nn.Module):
         fid, self._next_id = self._next_id, self._next_id + 1
         bank = self.bank
         bound = bank.params is not None and bank.enabled
-        weights = (torch.cat([t.detach().reshape(-1) for pair in bank.params for t in pair]).float()
+        weights = (torch.cat([t.detach().reshape(-1) for pair in bank.params for t in pair])   # (P,), compute dtype
                    if bound and self.world > 1 else None)
         gen = bank.dropout_generator
         header = {"op": _FORWARD, "id": fid, "shape": tuple(input_ids.shape), "mask": attention_mask is not None,
-                  "bound": bound, "training": self.training, "grad": torch.is_grad_enabled(),
+                  "bound": bound, "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else None, "training": self.training, "grad": torch.is_grad_enabled(),
                   "rng": gen.get_state() if (gen is not None and self.training and self.spec.dropout > 0) else None}
         with self._collective("forward"):
             self._send(header)
@@ -580,7 +581,7 @@ class MegatronLoraModel(nn.Module):
 
     def _reduce_into(self, grad: torch.Tensor) -> None:
         idx = self.split_index.to(grad.device)
-        part = grad.index_select(0, idx)
+        part = grad.index_select(0, idx).float()
         dist.reduce(part, dst=0)
         if self.rank == 0:
             grad.index_copy_(0, idx, part)
@@ -609,22 +610,27 @@ class MegatronLoraModel(nn.Module):
                 out.backward(mine)
             elif op == _REDUCE:
                 self._graphs.clear()   # forwards no loss used: their graphs are done with
-                self._reduce_into(self._grads())
-                self._grads().zero_()
+                if self._grad is None:
+                    self._grads()
+                self._reduce_into(self._grad)
+                self._grad.zero_()
 
-    def _grads(self) -> torch.Tensor:
-        if self._grad is None:
-            self._grad = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+    def _grads(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self._grad is None or self._grad.dtype != dtype:
+            self._grad = torch.zeros(self.layout.numel, dtype=dtype, device=self.device)
+            self._own = None
         return self._grad
 
     def _follow_forward(self, header: dict) -> None:
         ids = self._bcast(torch.empty(header["shape"], dtype=torch.long, device=self.device))
         mask = self._bcast(torch.empty(header["shape"], dtype=torch.long, device=self.device)) if header["mask"] else None
         if header["bound"]:
+            dtype = getattr(torch, header["dtype"])   # rank 0's compute dtype: every rank computes alike
+            grads = self._grads(dtype)
             if self._own is None:
-                weights = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+                weights = torch.zeros(self.layout.numel, dtype=dtype, device=self.device)
                 params = []
-                for (a, b), (ga, gb) in zip(self.layout.views(weights), self.layout.views(self._grads())):
+                for (a, b), (ga, gb) in zip(self.layout.views(weights), self.layout.views(grads)):
                     pa, pb = nn.Parameter(a), nn.Parameter(b)
                     pa.grad, pb.grad = ga, gb
                     params.append((pa, pb))

@@ -23,7 +23,8 @@ def run(model, tokenizer, job: dict, out_dir: Path | None = None) -> dict:
     1. `probe`: with the flat adapter `job["flat"]` bound, per-token logprobs of `job["probe"]`
        (SFT examples) and the gradient of their SFT loss (through `fold_grads`, as a step does);
     2. `steps`: `job["steps"]` = [(tenant, seed, policy kwargs, examples)] trained in order with
-       the learner's own Trainer and store; the StepResults and each tenant's final (4, P) state;
+       the learner's own Trainer and store (from `job["init"][tenant]`'s weights where given); the
+       StepResults and each tenant's final (4, P) state;
     3. `published`: each tenant's adapter written as a PEFT folder under `out_dir` (if given).
     """
     from clora.learner.adapter_store import AdapterStore
@@ -52,7 +53,7 @@ def run(model, tokenizer, job: dict, out_dir: Path | None = None) -> dict:
     results = []
     for tenant, seed, policy, examples in job["steps"]:
         if tenant not in store.tenants():
-            store.register(tenant, seed=seed)
+            store.register(tenant, seed=seed, master=job.get("init", {}).get(tenant))
         r = trainer.train_step(tenant, examples, TrainingPolicy(**policy))
         results.append((tenant, r.step, r.loss, r.grad_norm))
     out["steps"] = results
@@ -63,6 +64,22 @@ def run(model, tokenizer, job: dict, out_dir: Path | None = None) -> dict:
             folder.mkdir(parents=True, exist_ok=True)
             write_adapter(folder, model.layout, store.state(t).master, "tiny")
     return out
+
+
+def torchrun(job: dict, tp: int, folder: Path) -> dict:
+    """`job` on the megatron backend at tensor parallel size `tp` (torchrun, `tp` processes);
+    rank 0's result. The adapters it publishes land in `folder`."""
+    import os
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({**job, "tp": tp}, folder / "job.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+                           __file__, str(folder / "job.pt"), str(folder / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(folder / "out.pt", weights_only=False)
 
 
 def main(job_path: str, out_path: str) -> None:

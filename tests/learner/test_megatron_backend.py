@@ -13,9 +13,6 @@ largest), weights after 3-4 Adam steps at lr 1e-2 1.4e-5 (bound 1% of lr per ste
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +29,6 @@ pytest.importorskip("megatron.core")
 
 SPEC = dict(rank=4, alpha=8.0, dropout=0.1)
 LR = 1e-2
-JOB_SCRIPT = Path(megatron_job.__file__)
 
 
 def _job(model_dir: Path, layout_numel: int) -> dict:
@@ -52,17 +48,6 @@ def _job(model_dir: Path, layout_numel: int) -> dict:
             "steps": steps}
 
 
-def _torchrun(job: dict, tp: int, tmp: Path) -> dict:
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save({**job, "tp": tp}, tmp / "job.pt")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-                           str(JOB_SCRIPT), str(tmp / "job.pt"), str(tmp / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(tmp / "out.pt", weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron")
@@ -71,7 +56,8 @@ def results(tiny_model_dir, tmp_path_factory):
     job = _job(tiny_model_dir, default.layout.numel)
     (tmp / "default").mkdir()
     ref = megatron_job.run(default, tok, job, tmp / "default")
-    return {"default": ref, "tp1": _torchrun(job, 1, tmp / "tp1"), "tp2": _torchrun(job, 2, tmp / "tp2"),
+    return {"default": ref, "tp1": megatron_job.torchrun(job, 1, tmp / "tp1"),
+            "tp2": megatron_job.torchrun(job, 2, tmp / "tp2"),
             "tmp": tmp, "layout": default.layout}
 
 
