@@ -43,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -107,6 +109,24 @@ def init_parallel(tp: int, *, timeout_s: float = 600.0) -> None:
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if not torch.cuda.is_available():
         _cpu_fixes()
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, each rank runs in a session of its own, so whoever kills the launcher's
+    process group (`clora up` killing a hung learner) would orphan the ranks: ask Linux to kill this
+    process when its parent dies, as kill -9 would (the learner restarts from its checkpoints)."""
+    if sys.platform != "linux" or "LOCAL_RANK" not in os.environ:
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    try:   # the launcher may have died before the request took hold: then the parent is another
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        parent = b""
+    if b"torch.distributed.run" not in parent and b"torchrun" not in parent:
+        log.critical("the launcher of this rank is gone; exiting")
+        os._exit(EXIT_GROUP_BROKEN)
 
 
 def _free_port() -> int:

@@ -2,7 +2,8 @@
 the suite's real Kafka-protocol broker and Redis; it trains and publishes a tenant's versions.
 Then one rank is killed with -9. The group must not stall: torchrun stops it and exits. Started
 again, the learner resumes from its checkpoints: no version number is published twice and every
-example is trained on exactly once along the weights that live on."""
+example is trained on exactly once along the weights that live on. Killing the launcher itself
+leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -107,6 +108,22 @@ def test_a_killed_rank_stops_the_group_which_restarts_from_its_checkpoints(
         finally:
             if second.poll() is None:
                 os.killpg(second.pid, signal.SIGKILL)
+        # the launcher killed on its own (what `clora up` does to a hung learner kills its process
+        # group, and torchrun runs each rank in a session of its own): no rank outlives it
+        log.flush()
+        offset = log_path.stat().st_size
+        third = _start(env, log)
+        try:
+            wait_for(lambda: b"sharing tenants" in log_path.read_bytes()[offset:], timeout=120,
+                     what="the third learner running")
+            ranks = [_rank(third, 0), _rank(third, 1)]
+            third.send_signal(signal.SIGKILL)
+            third.wait(timeout=30)
+            gone, alive = psutil.wait_procs(ranks, timeout=30)
+            assert not alive, f"ranks {[p.pid for p in alive]} outlived their launcher"
+        finally:
+            if third.poll() is None:
+                os.killpg(third.pid, signal.SIGKILL)
     versions = [v.version for v in registry.adapter_versions(tenant_id)]
     assert versions == [1, 2, 3, 4], versions
     assert saved() == (4, 8)          # 8 examples, batch 2: each trained once
