@@ -160,9 +160,11 @@ def test_a_lease_is_renewed_while_its_request_runs_and_the_key_goes_with_the_las
     acme, = tenants(1)
 
     async def go():
-        a, b = (TenantQuota(concurrency=1, store=gateway_store(stack, lease_s=0.5), **FAST) for _ in range(2))
+        # a lease of 2 s, renewed every 0.67 s: a loaded CI machine stalled this process past a 0.5 s
+        # lease (1 in 3 runs while other work ran), and the slot expired between renewals
+        a, b = (TenantQuota(concurrency=1, store=gateway_store(stack, lease_s=2.0), **FAST) for _ in range(2))
         slot = await a.acquire(acme)
-        await asyncio.sleep(1.6)                                # three lease times: renewed all along
+        await asyncio.sleep(6.2)                                # three lease times: renewed all along
         await refused(b, acme, "has 1 requests in flight")
         await a.release(slot)
         assert redis_client.exists(slots_key(acme)) == 0
