@@ -468,6 +468,16 @@ class MegatronLoraModel(nn.Module):
         self._own: tuple[torch.Tensor, list[tuple[nn.Parameter, nn.Parameter]]] | None = None
         """Followers: their copy of the bound weights (P,) and its LoRA parameters (grads in `_grad`)."""
         self._grad: torch.Tensor | None = None
+        self._select: torch.Tensor | None = None
+        """(s, b) bool during a forward that needs the logits of those positions only."""
+        head, full = self.gpt.output_layer, self.gpt.output_layer.forward
+
+        def selected(hidden: torch.Tensor, *args, **kwargs):   # the LM head on the positions a loss reads
+            if self._select is not None:
+                hidden = hidden[self._select].unsqueeze(1)          # (N, 1, h), in (s, b) order
+            return full(hidden, *args, **kwargs)
+
+        head.forward = selected
         self.exit_on_failure = False
         """Exit the process (`EXIT_GROUP_BROKEN`) when a collective fails, instead of raising
         `ParallelGroupError`: what the learner process does (set by `clora learner`)."""
@@ -498,8 +508,23 @@ class MegatronLoraModel(nn.Module):
         finally:
             self.bank.enabled = prev
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for input_ids (batch, seq), on rank 0."""
+    def target_logprobs(self, batch) -> torch.Tensor:
+        """(B, T-1) log p of each next token where `batch.loss_mask` is 1, 0 elsewhere (the trainer's
+        `target_logprobs`): the LM head runs on those positions only, as the default backend's does."""
+        where = batch.loss_mask.bool().to(self.device)                         # (B, T-1)
+        ids = batch.input_ids.to(self.device)
+        positions = torch.zeros(ids.shape, dtype=torch.bool, device=self.device)
+        positions[:, :-1] = where
+        logits = self(ids, batch.attention_mask, positions)[0]                 # (N, V), (s, b) order
+        targets = ids[:, 1:].T[where.T]                                        # (N,), the same order
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        out = torch.zeros(where.T.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where.T, lp)
+        return out.T
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for input_ids (batch, seq), on rank 0. With `positions`
+        ((batch, seq) bool), only theirs: (1, N, vocab) in sequence-major order."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 calls the megatron model; the others run follow()")
         fid, self._next_id = self._next_id, self._next_id + 1
@@ -509,6 +534,7 @@ class MegatronLoraModel(nn.Module):
                    if bound and self.world > 1 else None)
         gen = bank.dropout_generator
         header = {"op": _FORWARD, "id": fid, "shape": tuple(input_ids.shape), "mask": attention_mask is not None,
+                  "positions": positions is not None,
                   "bound": bound, "dtype": str(weights.dtype).removeprefix("torch.") if weights is not None else None, "training": self.training, "grad": torch.is_grad_enabled(),
                   "rng": gen.get_state() if (gen is not None and self.training and self.spec.dropout > 0) else None}
         with self._collective("forward"):
@@ -516,10 +542,12 @@ class MegatronLoraModel(nn.Module):
             if self.world > 1:
                 self._bcast(input_ids.to(self.device))
                 if attention_mask is not None:
-                    self._bcast(attention_mask.to(self.device))
+                    self._bcast(attention_mask.to(self.device, torch.long))
+                if positions is not None:
+                    self._bcast(positions.to(self.device, torch.uint8))
                 if weights is not None:
                     self._bcast(weights.to(self.device))
-            shard = self._shard_logits(input_ids, attention_mask)
+            shard = self._shard_logits(input_ids, attention_mask, positions)
             if self.world == 1:
                 return shard
             return _GatherVocab.apply(shard, self, fid)
@@ -574,14 +602,20 @@ class MegatronLoraModel(nn.Module):
         dist.broadcast(t, src=0)
         return t
 
-    def _shard_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """This rank's (B, T, V/T) logits. The mask is causal plus padding (True = hidden)."""
+    def _shard_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's (B, T, V/T) logits, or (1, N, V/T) of `positions`. The attention mask is
+        causal plus padding (True = hidden)."""
         ids = input_ids.to(self.device)
         t = ids.shape[1]
         hidden = torch.triu(torch.ones(t, t, dtype=torch.bool, device=self.device), 1)[None, None]   # (1,1,T,T)
         if attention_mask is not None:
             hidden = hidden | ~attention_mask.to(self.device).bool()[:, None, None, :]
-        return self.gpt(ids, None, hidden)
+        self._select = positions.to(self.device).bool().T if positions is not None else None
+        try:
+            return self.gpt(ids, None, hidden)
+        finally:
+            self._select = None
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         shard = shard.contiguous()
@@ -644,6 +678,8 @@ class MegatronLoraModel(nn.Module):
     def _follow_forward(self, header: dict) -> None:
         ids = self._bcast(torch.empty(header["shape"], dtype=torch.long, device=self.device))
         mask = self._bcast(torch.empty(header["shape"], dtype=torch.long, device=self.device)) if header["mask"] else None
+        positions = (self._bcast(torch.empty(header["shape"], dtype=torch.uint8, device=self.device))
+                     if header["positions"] else None)
         if header["bound"]:
             dtype = getattr(torch, header["dtype"])   # rank 0's compute dtype: every rank computes alike
             grads = self._grads(dtype)
@@ -668,7 +704,7 @@ class MegatronLoraModel(nn.Module):
         self.bank.dropout_generator = gen
         self.train(header["training"])
         with torch.set_grad_enabled(header["grad"]):
-            shard = self._shard_logits(ids, mask)
+            shard = self._shard_logits(ids, mask, positions)
             self._gather(shard)
         if header["grad"] and shard.requires_grad:
             self._graphs[header["id"]] = shard

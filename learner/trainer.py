@@ -141,7 +141,11 @@ def target_logprobs(model: LoraModel, head: tuple[torch.nn.Module, torch.nn.Line
     (`shared_prefix_len`: a system prompt and tool listing, a GRPO group's question) runs once
     and the rows continue from its keys and values, which the backward pass reaches through
     as it would through P separate copies. Same result, less arithmetic: a group of 4 episodes
-    of one calc problem shares most of its tokens."""
+    of one calc problem shares most of its tokens.
+
+    A model that computes these itself (the megatron backend's) does."""
+    if hasattr(model, "target_logprobs"):
+        return model.target_logprobs(batch)
     if head is None:
         return token_logprobs(model(batch.input_ids, batch.attention_mask), batch.input_ids)
     decoder, lm_head = head
