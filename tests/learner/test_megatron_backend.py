@@ -108,3 +108,21 @@ def test_published_adapters_are_peft_files_the_default_backend_loads(results):
             got = read_adapter(tmp / backend / f"adapter-{tenant}", layout)
             _close(got, want, 1e-3, 2e-5, f"{backend}'s published adapter of {tenant}")
             assert torch.equal(got, results[backend]["states"][tenant][0])
+
+
+def test_a_base_or_settings_the_backend_cannot_run_get_an_error_naming_why():
+    from pydantic import ValidationError
+    from transformers import LlamaConfig
+
+    from clora.learner.megatron_tp import MegatronBackendError, check_supported
+    from clora.learner.settings import LearnerSettings
+
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                          vocab_size=49152)
+    check_supported(smollm2, 3)
+    with pytest.raises(MegatronBackendError, match=r"num_attention_heads \(9\).*num_key_value_heads \(3\)"):
+        check_supported(smollm2, 2)
+    with pytest.raises(ValidationError, match="training_mode serial"):
+        LearnerSettings(backend="megatron", training_mode="fused")
+    with pytest.raises(ValidationError, match="needs backend megatron"):
+        LearnerSettings(tensor_parallel=2)
