@@ -1,9 +1,14 @@
 """The errors the gateway answers, as `clora.web.HttpError`s in OpenAI's shape:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+
+Routing errors too (`route_error`): an unknown path is 404 `unknown_url`, a known path asked with
+the wrong method 405 `method_not_allowed` (with its `Allow` header), as OpenAI answers them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from clora.web import ErrorShape, HttpError
 
@@ -36,3 +41,16 @@ def unavailable(message: str) -> HttpError:
 
 def timeout(seconds: float) -> HttpError:
     return HttpError(504, "timeout", f"engine did not answer within {seconds} s", type="server_error")
+
+
+def route_error(method: str, path: str, status: int, detail: str, headers: Mapping[str, str] | None) -> HttpError:
+    """The router's own refusal (Starlette's `HTTPException`: no such route, the wrong method) in
+    the gateway's shape, keeping its headers (`Allow` for a 405)."""
+    if status == 404:
+        code, message = "unknown_url", f"Invalid URL ({method} {path})"
+    elif status == 405:
+        code, message = "method_not_allowed", f"Method {method} is not allowed on {path}"
+    else:
+        code, message = None, str(detail)
+    return HttpError(status, code, message, type="server_error" if status >= 500 else None,
+                     headers=dict(headers) if headers else None)

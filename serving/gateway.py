@@ -1,9 +1,11 @@
 """The OpenAI-compatible gateway (FastAPI): authentication, tenant -> adapter routing,
 quotas, streaming pass-through, interaction logging.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's
+Responses API, served as a chat completion: `clora.serving.responses`), `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`, and `POST /v1/tinker/sample`, the Tinker training
-API's token-level sampling (`clora.serving.tinker_sampling`; Tinker keys only).
+API's token-level sampling (`clora.serving.tinker_sampling`; Tinker keys only). Every error,
+an unknown route's 404 and a wrong method's 405 included, answers in OpenAI's error shape.
 
 `model` is the base model name, the caller's tenant id (its live adapter version; the base
 model until its first version is live), a pinned version `tenant@v7`
@@ -36,18 +38,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clora.registry import ApiKeyPrincipal, Registry, RegistryError
 from clora.ids import SERVED_NAME_RE, Id, parse_served_name, served_name
 from clora.web import HttpError, api_key, bearer_token, install_error_handlers, read_body, too_deep
 from clora.ingest.schemas import Message
-from clora.serving import errors, tinker_sampling
+from clora.serving import errors, responses, tinker_sampling
 from clora.serving.aliases import AdapterRef
 from clora.serving.completions import Kind, Recorder, Unrecordable, recorded_messages, upstream_body
 from clora.serving.engine import AdapterLoadError, EngineManager, EngineUnavailable, Lease
@@ -60,6 +63,7 @@ from clora.serving.quota import TenantQuota
 from clora.serving.quota_store import QuotaStore
 from clora.serving.record_quota import RecordQuota
 from clora.serving.request_fields import Bounds, Refused, check_fields
+from clora.serving.responses import EventStream, Translated
 from clora.serving.settings import GatewaySettings, tenant_limits
 from clora.serving.traffic import CLIENT_LEFT
 
@@ -111,6 +115,76 @@ class Held:
     ticket: Ticket | None
     """Its place in the fair queue (None: `fair_admission` off). The request sets
     `ticket.generated` once it knows, so that its tenant is charged what it got."""
+
+
+class StreamWriter(Protocol):
+    """Writes one streamed answer's server-sent events from the engine's chat or completion
+    chunks (as `Recorder.chunk` gives them to the client)."""
+
+    def opening(self) -> bytes: ...
+    def chunk(self, obj: dict[str, Any]) -> bytes: ...
+    def done(self, prompt_tokens: int, completion_tokens: int) -> bytes: ...
+    def error(self, error: dict[str, Any], status: int) -> bytes: ...
+
+
+class Wire(Protocol):
+    """How a served completion goes back to its client: in the shape of the route it was
+    asked on (`PassThrough`), or translated (`ResponsesWire`, for `/v1/responses`)."""
+
+    id_prefix: str
+    metric_kind: str
+
+    def whole(self, rid: str, out: dict[str, Any]) -> dict[str, Any]: ...
+    def stream(self, rid: str, model: str) -> StreamWriter: ...
+
+
+@dataclass(frozen=True)
+class PassThrough:
+    """`/v1/chat/completions` and `/v1/completions`: the engine's answer as it is (ids, model
+    and extras already set by the `Recorder`)."""
+
+    kind: Kind
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl-" if self.kind == "chat" else "cmpl-"
+
+    @property
+    def metric_kind(self) -> str:
+        return self.kind
+
+    def whole(self, rid: str, out: dict[str, Any]) -> dict[str, Any]:
+        return out
+
+    def stream(self, rid: str, model: str) -> "PassThrough":
+        return self
+
+    def opening(self) -> bytes:
+        return b""
+
+    def chunk(self, obj: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    def done(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def error(self, error: dict[str, Any], status: int) -> bytes:
+        return f"data: {json.dumps({'error': error})}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class ResponsesWire:
+    """`/v1/responses`: a `response` object, or the Responses API's events (`clora.serving.responses`)."""
+
+    translated: Translated
+    id_prefix: str = responses.ID_PREFIX
+    metric_kind: str = responses.KIND
+
+    def whole(self, rid: str, out: dict[str, Any]) -> dict[str, Any]:
+        return responses.whole(self.translated, rid, out)
+
+    def stream(self, rid: str, model: str) -> EventStream:
+        return EventStream(self.translated, rid, model)
 
 
 class Unrecorded(RuntimeError):
@@ -399,14 +473,42 @@ class Gateway:
     async def _complete(self, principal: ApiKeyPrincipal, request: Request, kind: Kind, path: str,
                         started: float) -> Response:
         body = await self.read_json(request)
-        admitted = self.validate(body, kind)
+        return await self._serve(principal, request, body, self.validate(body, kind), kind, path, started,
+                                 PassThrough(kind))
+
+    async def respond(self, request: Request) -> Response:
+        """`POST /v1/responses`: served as the chat completion it translates to
+        (`clora.serving.responses`), with everything a chat completion gets."""
+        started = time.monotonic()
+        return await self._counted(responses.KIND, started, self.authenticate(request),
+                                   lambda principal: self._respond(principal, request, started))
+
+    async def _respond(self, principal: ApiKeyPrincipal, request: Request, started: float) -> Response:
+        body = await self.read_json(request)
+        try:
+            translated = responses.to_chat(body, self.bounds)
+        except Refused as e:
+            raise errors.bad_request(f"{e.field}: {e.message}", e.field) from e
+        try:
+            admitted = self.validate(translated.chat, "chat")
+        except HttpError as e:  # a chat check's refusal, named as the Responses field
+            if e.status != 400 or e.field is None:
+                raise
+            raise errors.bad_request(*translated.renamed(e.message, e.field)) from e
+        return await self._serve(principal, request, translated.chat, admitted, "chat", "/v1/chat/completions",
+                                 started, ResponsesWire(translated))
+
+    async def _serve(self, principal: ApiKeyPrincipal, request: Request, body: dict[str, Any], admitted: Admitted,
+                     kind: Kind, path: str, started: float, wire: Wire) -> Response:
+        """Serve the checked completion request `body` (of `kind`) on the engine's `path`,
+        recorded, and answer it through `wire`."""
         ref = await self.resolve(principal, body["model"])
         await self.record_quota.charge(principal.tenant, admitted.recorded_bytes)
         stack = contextlib.AsyncExitStack()
         try:
             held = await self._hold(stack, principal.tenant, ref, admitted.sequences, admitted.max_tokens, request)
             lease = held.lease
-            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            rid = wire.id_prefix + uuid.uuid4().hex
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
                            client_model=ref.name if ref else self.engine.settings.base_name,
                            messages=admitted.messages)
@@ -418,8 +520,8 @@ class Gateway:
             up = upstream_body(body, kind, lease.model, self.cache_salt(principal.tenant))
             url = lease.replica.url + path
             if not body.get("stream"):
-                return await self._whole(url, up, rec, lease)
-            response = await self._stream(url, up, rec, lease, stack, started)
+                return await self._whole(url, up, rec, lease, wire)
+            response = await self._stream(url, up, rec, lease, stack, started, wire)
             if isinstance(response, OwnedStream):
                 stack = None  # the response owns it now and closes it when it ends, however it ends
             return response
@@ -473,12 +575,12 @@ class Gateway:
             self.engine.adapter_missing(lease)
         return r
 
-    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease) -> Response:
+    async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease, wire: Wire) -> Response:
         r = await self._post(url, up, lease)
         if r.status_code != 200:
             return _upstream_error(r.status_code, r.content)
         try:
-            out = rec.finish(r.json())
+            out = wire.whole(rec.interaction_id, rec.finish(r.json()))
         except (ValueError, KeyError, TypeError) as e:
             raise HttpError(502, "bad_engine_response", f"engine replica {lease.replica.index} answered something "
                             f"that is not a completion: {e!r}", type="server_error") from e
@@ -489,7 +591,7 @@ class Gateway:
         return JSONResponse(out)
 
     async def _stream(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease,
-                      stack: contextlib.AsyncExitStack, started: float) -> Response:
+                      stack: contextlib.AsyncExitStack, started: float, wire: Wire) -> Response:
         try:
             upstream = await stack.enter_async_context(
                 self.engine.http.stream("POST", url, json=up, headers=lease.replica.headers,
@@ -503,14 +605,17 @@ class Gateway:
                 self.engine.adapter_missing(lease)
             return _upstream_error(upstream.status_code, await upstream.aread())
         end = StreamEnd()
+        writer = wire.stream(rec.interaction_id, rec.client_model)
 
         def error_event(err: HttpError) -> bytes:
             end.status = err.status
-            return f"data: {json.dumps(err.body(errors.SHAPE))}\n\n".encode()
+            return writer.error(err.body(errors.SHAPE)["error"], err.status)
 
         async def relay() -> AsyncIterator[bytes]:
             failed, first = None, True
             try:
+                if opening := writer.opening():
+                    yield opening
                 async for line in upstream.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -526,21 +631,23 @@ class Gateway:
                                 yield error_event(self._unrecorded(e))
                                 return
                         end.status = 200 if failed is None else failed
-                        yield b"data: [DONE]\n\n"
+                        if tail := writer.done(len(rec.prompt_token_ids or ()), rec.generated_tokens()):
+                            yield tail
                         continue
                     obj = json.loads(data)
                     if "error" in obj:  # vLLM failed the generation: passed on, not recorded
                         failed = _error_status(obj["error"])
-                        yield f"data: {json.dumps(obj)}\n\n".encode()
+                        yield writer.error(obj["error"], failed)
                         continue
-                    yield f"data: {json.dumps(rec.chunk(obj))}\n\n".encode()
+                    if events := writer.chunk(rec.chunk(obj)):
+                        yield events
             except UPSTREAM_BROKEN as e:
                 yield error_event(self._upstream_broken(lease, e, "mid-stream"))
             except httpx.TimeoutException:
                 yield error_event(errors.timeout(self.settings.upstream_timeout_s))
 
         def ended() -> None:
-            self.metrics.answered(rec.tenant, rec.kind, end.status, time.monotonic() - started, stream=True)
+            self.metrics.answered(rec.tenant, wire.metric_kind, end.status, time.monotonic() - started, stream=True)
 
         stack.callback(ended)
         return OwnedStream(relay(), stack)
@@ -648,6 +755,12 @@ def create_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="clora gateway", docs_url=None, redoc_url=None)
     install_error_handlers(app, errors.SHAPE)
 
+    async def route_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return errors.route_error(request.method, request.url.path, e.status_code, e.detail,
+                                  e.headers).response(errors.SHAPE)
+
+    app.add_exception_handler(StarletteHTTPException, route_error)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         healthy = len(gw.engine.healthy())
@@ -661,6 +774,10 @@ def create_app(gw: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gw.complete(request, "completion", "/v1/completions")
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await gw.respond(request)
 
     @app.post(tinker_sampling.PATH)
     async def tinker_sample(request: Request) -> Response:

@@ -11,6 +11,11 @@ Every value is also walked as JSON (`check_json`): no object or array nests deep
 of those made the gateway fail to encode what it forwards or records. A field's path names the
 exact spot: `tools.0.function.parameters.default`.
 
+`RESPONSES` is the allow-list of `POST /v1/responses` (`clora.serving.responses` translates
+the request into a chat completion, which then passes `CHAT`'s checks as well). What the gateway
+cannot do statelessly (`previous_response_id`, `conversation`, `store: true`, `background: true`)
+or at all (`include` items, a `text.format` other than text, `reasoning`) is refused naming the field.
+
 `prompt` must be one string: a prompt list would be served as one request holding many
 sequences (64 prompts answered on one quota slot), so clora refuses it; send one request per
 prompt (`n` asks for several completions of one prompt and counts each).
@@ -165,6 +170,83 @@ CHAT: dict[str, Check] = {
 }
 COMPLETION: dict[str, Check] = {**COMMON, "prompt": _prompt, "logprobs": _integer(0, 5)}
 FIELDS: dict[Kind, dict[str, Check]] = {"chat": CHAT, "completion": COMPLETION}
+
+
+def _stateless(field: str, v: Any) -> None:
+    raise Refused(field, "this gateway keeps no response state; send the whole conversation as input")
+
+
+def _false_only(why: str) -> Check:
+    def check(field: str, v: Any) -> None:
+        if v is not False:
+            raise Refused(field, f"must be false or absent: {why}")
+    return check
+
+
+def _include(field: str, v: Any) -> None:
+    if not isinstance(v, list) or v:
+        raise Refused(field, "must be an empty array: clora includes nothing beyond the output")
+
+
+def _text_format(field: str, v: Any) -> None:
+    fmt = v.get("format") if isinstance(v, dict) else None
+    if not isinstance(v, dict) or any(k not in ("format", "verbosity") for k in v):
+        raise Refused(field, 'must be {"format": {"type": "text"}}')
+    if fmt is not None and fmt != {"type": "text"}:
+        raise Refused(f"{field}.format", 'only {"type": "text"} is served (structured output is not)')
+    if v.get("verbosity") is not None:
+        raise Refused(f"{field}.verbosity", "is not supported")
+
+
+def _reasoning(field: str, v: Any) -> None:
+    if not isinstance(v, dict) or any(x is not None for x in v.values()):
+        raise Refused(field, "is not supported: clora serves no reasoning models (send null or omit it)")
+
+
+def _truncation(field: str, v: Any) -> None:
+    if v != "disabled":
+        raise Refused(field, 'must be "disabled": clora does not truncate a conversation')
+
+
+def _responses_stream_options(field: str, v: Any) -> None:
+    if not isinstance(v, dict):
+        raise Refused(field, "must be an object")
+    for k, x in v.items():
+        if k != "include_obfuscation":
+            raise Refused(f"{field}.{k}", "is not a stream option clora supports (include_obfuscation)")
+        _boolean(f"{field}.{k}", x)
+
+
+def _text(field: str, v: Any) -> None:
+    if not isinstance(v, str):
+        raise Refused(field, "must be a string")
+
+
+RESPONSES: dict[str, Check] = {
+    "model": _anything,
+    "input": _anything,  # each item: `clora.serving.responses`
+    "instructions": _text,
+    "tools": _anything,  # each tool: `clora.serving.responses`
+    "tool_choice": _anything,
+    "parallel_tool_calls": _boolean,
+    "temperature": COMMON["temperature"],
+    "top_p": COMMON["top_p"],
+    "metadata": _metadata,
+    "stream": _boolean,
+    "stream_options": _responses_stream_options,
+    "user": COMMON["user"],
+    "store": _false_only("this gateway keeps no response state"),
+    "background": _false_only("clora answers every response while the request is open"),
+    "previous_response_id": _stateless,
+    "conversation": _stateless,
+    "prompt": _stateless,  # a stored prompt template
+    "include": _include,
+    "text": _text_format,
+    "reasoning": _reasoning,
+    "truncation": _truncation,
+}
+"""`POST /v1/responses`'s fields; `max_output_tokens` is checked against `Bounds.max_tokens`."""
+
 GATEWAY_ONLY = ("metadata",)
 """Fields the gateway reads and never forwards."""
 
@@ -183,6 +265,20 @@ def check_fields(body: dict[str, Any], kind: Kind, bounds: Bounds) -> None:
         if check is None:
             raise Refused(name, f"unknown field for {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}"
                                 f"; clora accepts {', '.join(sorted({*allowed, *limits}))}")
+        if value is not None:
+            check(name, value)
+
+
+def check_responses_fields(body: dict[str, Any], bounds: Bounds) -> None:
+    """`check_fields` for `POST /v1/responses`: refuse any field not in `RESPONSES`, any value
+    out of type or range, and any value `check_json` refuses. A null value counts as absent."""
+    limits = {"max_output_tokens": _integer(1, bounds.max_tokens)}
+    for name, value in body.items():
+        check_json(name, value, bounds.max_depth)
+        check = limits.get(name) or RESPONSES.get(name)
+        if check is None:
+            raise Refused(name, f"unknown field for /v1/responses; clora accepts "
+                                f"{', '.join(sorted({*RESPONSES, *limits}))}")
         if value is not None:
             check(name, value)
 
