@@ -11,7 +11,10 @@ Each door answers errors in its own shape (`ErrorShape`), one `HttpError` render
                          "code": "model_not_found"}}
 
 A door calls `install_error_handlers(app, shape)` once; then raising `HttpError` anywhere in a
-route answers it. `BodyLimit` refuses an oversized body before a route reads it, and, given
+route answers it, and so do FastAPI's own refusals: a request it cannot validate (422 naming the
+field), a path no route serves (404 `not_found`), a method the path does not take (405
+`method_not_allowed`, with `Allow`) and a body it cannot parse (400) — never FastAPI's
+`{"detail": ...}`. `BodyLimit` refuses an oversized body before a route reads it, and, given
 `max_depth`, a body nested deeper than that (`too_deep`); `read_body` does the size check from
 inside a route (the gateway, which authenticates first and counts every answer).
 
@@ -34,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ErrorShape = Literal["clora", "openai"]
 
@@ -246,9 +250,26 @@ def invalid_request(errors: list[dict]) -> HttpError:
     return HttpError(422, "invalid_request", f"{field}: {message}", field)
 
 
+def routing_error(e: StarletteHTTPException, method: str, path: str) -> HttpError:
+    """The `HttpError` for an error Starlette or FastAPI raised outside any route's own code: no
+    route for the path (404 `not_found`), not with this method (405 `method_not_allowed`, keeping
+    `Allow`), a body FastAPI could not parse (400, naming `body`); another status keeps its detail
+    under `http_error`. The wrong part of a route error is the request's `path`."""
+    where = f"{method} {path[:200]}"
+    if e.status_code == 404:
+        return HttpError(404, "not_found", f"{where}: no such route or file", "path", headers=e.headers)
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return HttpError(405, "method_not_allowed", f"{where}: the path does not take {method}"
+                         + (f" (allowed: {allowed})" if allowed else ""), "path", headers=e.headers)
+    if e.status_code == 400:   # not UTF-8, or nested past Python's recursion limit
+        return HttpError(400, "invalid_request", f"body: {e.detail}", "body", headers=e.headers)
+    return HttpError(e.status_code, "http_error", f"{where}: {e.detail}", headers=e.headers)
+
+
 def install_error_handlers(app: FastAPI, shape: ErrorShape, on_error: OnError | None = None) -> None:
-    """Answer `HttpError` and FastAPI's validation errors in `shape`, calling `on_error` with
-    each status first."""
+    """Answer `HttpError`, FastAPI's validation errors and its routing errors (`routing_error`)
+    in `shape`, calling `on_error` with each status first."""
 
     def answer(error: HttpError) -> JSONResponse:
         if on_error is not None:
@@ -261,5 +282,9 @@ def install_error_handlers(app: FastAPI, shape: ErrorShape, on_error: OnError | 
     async def validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
         return answer(invalid_request(e.errors()))
 
+    async def starlette_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return answer(routing_error(e, request.method, request.url.path))
+
     app.add_exception_handler(HttpError, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, starlette_error)

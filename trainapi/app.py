@@ -35,7 +35,6 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clora.registry import ApiKeyPrincipal
 from clora.storage import StorageError, StorageSettings
@@ -301,14 +300,6 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis,
     # every body, JSON or protobuf, is refused over the limit before a route reads it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, shape="clora")
 
-    async def not_found(_request: Request, e: StarletteHTTPException) -> JSONResponse:
-        if e.status_code in (404, 405):   # no such route, or not with this method
-            return HttpError(e.status_code, "not_found" if e.status_code == 404 else "http_error", str(e.detail),
-                             "path").response("clora")
-        # FastAPI's 400 for a body it cannot parse: not UTF-8, or nested past Python's recursion limit
-        return HttpError(e.status_code, "invalid_request", f"body: {e.detail}", "body").response("clora")
-
-    app.add_exception_handler(StarletteHTTPException, not_found)
     v1 = "/api/v1"
 
     # --- handshake ----------------------------------------------------------------------------

@@ -122,6 +122,32 @@ def test_an_invalid_request_is_422_naming_the_field():
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_an_unknown_route_and_a_wrong_method_answer_in_the_envelope_not_fastapis_detail():
+    statuses: list[int] = []
+    client = TestClient(app_with("clora", statuses.append))
+    r = client.get("/nowhere")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"code": "not_found", "message": "GET /nowhere: no such route or file",
+                                  "field": "path"}}
+    r = client.delete("/batch")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"error": {"code": "method_not_allowed", "field": "path",
+                                  "message": "DELETE /batch: the path does not take DELETE (allowed: POST)"}}
+    assert statuses == [404, 405]
+    r = TestClient(app_with("openai")).get("/nowhere")
+    assert r.status_code == 404 and r.json() == {"error": {
+        "message": "GET /nowhere: no such route or file", "type": "invalid_request_error", "param": "path",
+        "code": "not_found"}}
+
+
+def test_a_body_fastapi_cannot_parse_is_a_400_naming_the_body():
+    r = TestClient(app_with("clora")).post("/batch", content=b'{"records": []}\xff',   # not UTF-8
+                                           headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"code": "invalid_request", "field": "body",
+                                  "message": "body: There was an error parsing the body"}}
+
+
 def test_body_limit_refuses_a_declared_length_over_the_limit_before_the_route_runs():
     statuses: list[int] = []
     app = app_with("clora", statuses.append, max_body_bytes=64)
