@@ -98,6 +98,10 @@ class CheckpointStorage(Protocol):
         """A local path holding `entry`'s file, verified, for the `with` block."""
         ...
 
+    def delete(self, name: str) -> None:
+        """Delete every entry of `name` (a deleted tenant's checkpoints; missing is no error)."""
+        ...
+
     def clean_partial(self) -> list[Path]:
         """Delete temporary files a crash left under `root`; returns them."""
         ...
@@ -190,6 +194,17 @@ class LocalCheckpoints:
             raise StorageIntegrityError(f"checkpoint {path} is gone (trimmed by a newer writer?)")
         yield path
 
+    def delete(self, name: str) -> None:
+        folder = self._folder(name)
+        for entry in self.entries(name):
+            self._path(entry).unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"deleting checkpoints {folder} failed") from e
+
     def clean_partial(self) -> list[Path]:
         partial = sorted(self.root.rglob(f".tmp-*{SUFFIX}")) if self.root.is_dir() else []
         for p in partial:
@@ -270,6 +285,19 @@ class S3Checkpoints:
         if want is None or h.hexdigest() != want:
             raise StorageIntegrityError(f"{where} has sha256 {h.hexdigest()[:12]}..., its metadata says "
                                         f"{(want or 'nothing')[:12]}...")
+
+    def delete(self, name: str) -> None:
+        check_name(name)
+        prefix = f"{self.prefix}/{name}/"
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        keys = s3_call(f"listing s3://{self.bucket}/{prefix}",
+                       lambda: [o["Key"] for page in pages for o in page.get("Contents", [])])
+        for i in range(0, len(keys), 1000):
+            out = s3_call(f"deleting s3://{self.bucket}/{prefix}", self.client.delete_objects, Bucket=self.bucket,
+                          Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            if out.get("Errors"):
+                raise StorageError(f"deleting s3://{self.bucket}/{prefix} failed for {len(out['Errors'])} objects: "
+                                   f"{out['Errors'][0]}")
 
     def clean_partial(self) -> list[Path]:
         partial = sorted(self.root.glob(f".tmp-*{SUFFIX}")) if self.root.is_dir() else []

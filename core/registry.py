@@ -27,6 +27,13 @@ Keys (all under `clora:`):
     clora:engine                       hash gateway -> JSON of its engine replicas' state (health,
                                        resident adapters, adapters out of rotation), for the console
 
+Deleting a tenant takes three steps, each safe to repeat, so a crash midway leaves nothing that
+serves or trains and a retry finishes the job: `retire_tenant` (marked `retired_at`, out of
+`clora:tenants` so no learner or gateway lists it, its keys stop authenticating, nothing is
+live), then its data goes (`purge_tenant` here; buffers, adapter folders and checkpoints in
+their own modules), then `drop_tenant` removes the record. A retired tenant is not found by
+`get_tenant` (unless asked) and its id cannot be taken again until it is dropped.
+
 The learner's writes of a tenant's versions (`claim_version`, `record_lineage`,
 `record_adapter_version`, `set_live_version`) may carry a `Fence` (`clora.fencing`): the lease
 the learner holds on the tenant. Each such write is one Lua script that checks the lease key
@@ -232,6 +239,9 @@ class Tenant(BaseModel):
     adapter_model.safetensors) the tenant starts from instead of a fresh LoRA init: the learner
     publishes it as the tenant's first version and trains on from it. Checked to exist when the
     tenant is created; its rank, alpha and modules are checked by the learner."""
+    retired_at: float | None = None
+    """When its deletion began (`Registry.retire_tenant`): from then on it is neither served nor
+    trained, and its data is being removed. None for a tenant in service."""
 
     _id = field_validator("id")(validate_tenant_id)
 
@@ -400,16 +410,59 @@ class Registry:
         tenant = Tenant(id=tenant_id, name=name, policy=policy or LearningPolicy(),
                         signing_secret=signing_secret,
                         init_adapter=check_init_adapter(init_adapter) if init_adapter is not None else None)
+        if (raw := self.r.get(self._tkey(tenant.id))) is not None and Tenant.model_validate_json(raw).retired_at:
+            raise RegistryError(f"tenant {tenant.id!r} is being deleted: finish its deletion (DELETE it again) "
+                                "before taking the id again")
         if not self.r.sadd(PREFIX + "tenants", tenant.id):
             raise RegistryError(f"tenant {tenant.id!r} already exists")
         self.r.set(self._tkey(tenant.id), tenant.model_dump_json())
         return tenant, self.create_key(tenant.id)
 
-    def get_tenant(self, tenant_id: str) -> Tenant:
+    def get_tenant(self, tenant_id: str, *, retired: bool = False) -> Tenant:
+        """The tenant, or `TenantNotFound`; one being deleted (`retire_tenant`) only with `retired`."""
         raw = self.r.get(self._tkey(tenant_id))
         if raw is None:
             raise TenantNotFound(f"no tenant {tenant_id!r}")
-        return Tenant.model_validate_json(raw)
+        tenant = Tenant.model_validate_json(raw)
+        if tenant.retired_at is not None and not retired:
+            raise TenantNotFound(f"no tenant {tenant_id!r}: it is being deleted")
+        return tenant
+
+    def retire_tenant(self, tenant_id: str) -> Tenant:
+        """Step 1 of deleting a tenant, in one transaction: mark it retired, take it out of
+        `clora:tenants` (learners and gateways list tenants from there), drop every API and Tinker
+        key's lookup (they stop authenticating) and its live pointer (the gateways' hot swap
+        serves nothing for it). Repeating it is harmless. `TenantNotFound` for an unknown id."""
+        tenant = self.get_tenant(tenant_id, retired=True)
+        if tenant.retired_at is None:
+            tenant = tenant.model_copy(update={"retired_at": time.time()})
+        lookups = [PREFIX + "apikey:" + k.sha256 for k in self.list_keys(tenant_id)]
+        lookups += [PREFIX + "tinkerkey:" + k.sha256 for k in self.list_tinker_keys(tenant_id)]
+        pipe = self.r.pipeline()
+        pipe.set(self._tkey(tenant_id), tenant.model_dump_json())
+        pipe.srem(PREFIX + "tenants", tenant_id)
+        if lookups:
+            pipe.delete(*lookups)
+        pipe.delete(self._tkey(tenant_id) + ":live")
+        pipe.execute()
+        return tenant
+
+    def purge_tenant(self, tenant_id: str) -> int:
+        """Step 2 (the registry's part): delete every `clora:tenant:{id}:*` key of a retired tenant
+        (keys, versions, lineage, metrics, traffic, alerts, freshness...); its record stays until
+        `drop_tenant`. Refuses (`RegistryError`) a tenant in service. Returns the keys deleted."""
+        if self.get_tenant(tenant_id, retired=True).retired_at is None:
+            raise RegistryError(f"tenant {tenant_id!r} is in service: retire it before purging its data")
+        return _delete_matching(self.r, self._tkey(tenant_id) + ":*")
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        """Step 3: remove a retired tenant's record (and its id, again, from `clora:tenants`)."""
+        if self.get_tenant(tenant_id, retired=True).retired_at is None:
+            raise RegistryError(f"tenant {tenant_id!r} is in service: retire it before dropping it")
+        pipe = self.r.pipeline()
+        pipe.delete(self._tkey(tenant_id))
+        pipe.srem(PREFIX + "tenants", tenant_id)
+        pipe.execute()
 
     def list_tenants(self) -> list[Tenant]:
         """Every tenant, by id. One whose id is no longer valid (a tenant id with a final newline
@@ -419,7 +472,8 @@ class Registry:
             log.warning("tenant %r is not listed: its id is not a valid tenant id (rename it)", bad)
             ids.remove(bad)
         raws = self.r.mget([self._tkey(i) for i in ids]) if ids else []
-        return [Tenant.model_validate_json(raw) for raw in raws if raw is not None]
+        tenants = [Tenant.model_validate_json(raw) for raw in raws if raw is not None]
+        return [t for t in tenants if t.retired_at is None]   # one being deleted, listed a moment before
 
     def update_policy(self, tenant_id: str, /, **changes: object) -> LearningPolicy:
         """Apply validated changes to a tenant's policy (unknown fields are refused, whatever
@@ -845,6 +899,19 @@ async def fetch_multi_choice(client, response_ids: list[str]) -> list[MultiChoic
         found.append(None if owner is None else
                      MultiChoiceResponse(response_id, owner.decode(), int(count) if count is not None else None))
     return found
+
+
+def _delete_matching(client: redis.Redis, pattern: str, chunk: int = 500) -> int:
+    """Delete every key matching `pattern` (SCAN, then UNLINK in chunks); returns how many."""
+    deleted, batch = 0, []
+    for key in client.scan_iter(match=pattern, count=chunk):
+        batch.append(key)
+        if len(batch) >= chunk:
+            deleted += client.unlink(*batch)
+            batch = []
+    if batch:
+        deleted += client.unlink(*batch)
+    return deleted
 
 
 def _owner_key(interaction_id: str) -> str:

@@ -39,6 +39,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
+from clora.ids import TENANT_ID_RE
 from clora.settings import settings_config
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,10 @@ class AdapterStorage(Protocol):
         """Delete versions (missing ones are no error)."""
         ...
 
+    def delete_tenant(self, tenant: str) -> None:
+        """Delete every version of `tenant` and its folder (a deleted tenant's; safe to repeat)."""
+        ...
+
 
 def open_storage(settings: StorageSettings, root: Path | str) -> AdapterStorage:
     """The storage `settings` describe, keeping versions (local) or caching them (s3) in `root`."""
@@ -151,6 +156,13 @@ def local_versions(folder: Path) -> list[int]:
     if not folder.is_dir():
         return []
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := VERSION_DIR.fullmatch(p.name)))
+
+
+def _tenant_dir(tenant: str) -> str:
+    """`tenant` as one folder name, or `ValueError` (never `..`, a slash or an empty name)."""
+    if not TENANT_ID_RE.fullmatch(tenant):
+        raise ValueError(f"{tenant[:100]!r} is not a tenant id")
+    return tenant
 
 
 def sha256_file(path: Path) -> str:
@@ -196,6 +208,16 @@ class LocalStorage:
     def delete(self, tenant: str, versions: Iterable[int]) -> None:
         for n in versions:
             shutil.rmtree(self.root / tenant / f"v{n}", ignore_errors=True)
+
+    def delete_tenant(self, tenant: str) -> None:
+        folder = self.root / _tenant_dir(tenant)
+        self.delete(tenant, self.versions(tenant))   # versions first: a crash midway leaves no half version
+        try:
+            shutil.rmtree(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"deleting {folder} failed") from e
 
 
 class FileDigest(BaseModel):
@@ -422,6 +444,18 @@ class S3Storage:
                     raise StorageError(f"deleting {self.uri(tenant, n)} failed for {len(out['Errors'])} objects: "
                                        f"{out['Errors'][0]}")
             shutil.rmtree(self.root / tenant / f"v{n}", ignore_errors=True)
+
+    def delete_tenant(self, tenant: str) -> None:
+        prefix = f"{self.prefix}{_tenant_dir(tenant)}/"
+        self.delete(tenant, self.versions(tenant))   # manifests first, version by version
+        keys = self._keys(prefix)   # whatever else is left under the tenant's prefix
+        for i in range(0, len(keys), 1000):
+            out = self._call(f"deleting s3://{self.bucket}/{prefix}", self.client.delete_objects, Bucket=self.bucket,
+                             Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            if out.get("Errors"):
+                raise StorageError(f"deleting s3://{self.bucket}/{prefix} failed for {len(out['Errors'])} objects: "
+                                   f"{out['Errors'][0]}")
+        shutil.rmtree(self.root / tenant, ignore_errors=True)   # the cache
 
     # --- the cache ----------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
 """The `clora` command line.
 
     clora up                          # the whole platform on embedded defaults
+    clora --version
     clora tenant create acme          # prints the API key once
     clora tenant create acme --adapter ./my-lora   # starts from a PEFT LoRA adapter (it becomes v1)
-    clora tenant list | rotate-key | revoke-key
+    clora tenant list | show | rotate-key | revoke-key | pause | resume | delete [--yes]
     clora tenant policy acme --reward-spec '{"keys": {"thumbs": {"type": "bool", "sources": ["user"]}}}'
+    clora policy get acme | policy set acme learning_rate=1e-3 algorithm=sft
+    clora dlq list | dlq replay EVENT_ID
     clora tinker-key create --tenant acme   # a key for the Tinker training API (tml-...), shown once
     clora tinker-key list --tenant acme | revoke --tenant acme KEY_ID
     clora webhook | ingest-worker | trainapi   # single services, for running them apart
@@ -15,40 +18,50 @@
     clora bench tenants               # 16-256 tenants' adapters over a replica's slots, vs in-cache
 
 Every command reads the same settings (`CLORA_*` environment variables, see
-infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those.
+infra/settings.py); with CLORA_KAFKA_BOOTSTRAP / CLORA_REDIS_URL set it talks to those. The admin
+commands (`clora.infra.cli_admin`) go through the control API: `--url`/`--token` or
+CLORA_CONTROL_URL / CLORA_CONTROL_TOKEN reach a remote one.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
+from clora.infra import cli_admin
 from clora.infra.settings import ConsoleSettings
 from clora.ingest.settings import IngestSettings, WebhookSettings
 from clora.settings import HTTP_KEEP_ALIVE_S, PlatformSettings
 
 app = typer.Typer(help="clora: continuous learning for LLM agents", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
-tenant_app = typer.Typer(help="Tenants and their API keys", no_args_is_help=True)
-app.add_typer(tenant_app, name="tenant")
+cli_admin.mount(app)   # tenant, tinker-key, policy, dlq: through the control API
 bench_app = typer.Typer(help="Benchmarks that drive the whole platform", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-tinker_key_app = typer.Typer(help="Tenants' keys for the Tinker-compatible training API (tml-...)",
-                             no_args_is_help=True)
-app.add_typer(tinker_key_app, name="tinker-key")
 console = Console()
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"clora {importlib.metadata.version('clora')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print the version and exit")] = False) -> None:
+    """clora: continuous learning for LLM agents."""
 
 
 def _logging(level: str = "INFO") -> None:
@@ -62,266 +75,6 @@ def _urls() -> tuple[str, str]:
 
     stack = LocalStack()
     return stack.kafka_bootstrap, stack.redis_url
-
-
-def _registry():
-    import redis
-
-    from clora.registry import Registry
-    from clora.serving.settings import EngineSettings
-
-    url = _urls()[1]
-    client = redis.Redis.from_url(url)
-    try:
-        client.ping()
-    except redis.ConnectionError as e:
-        console.print(f"[red]error:[/] cannot reach Redis at {url} ({e}). Is `clora up` running, "
-                      "or CLORA_REDIS_URL set?")
-        raise typer.Exit(2) from e
-    return Registry(client, reserved_ids=[EngineSettings().base_name])  # no tenant shadows the base model
-
-
-@tenant_app.command("create")
-def tenant_create(tenant_id: str, name: str = typer.Option("", help="Display name"),
-                  signing_secret: bool = typer.Option(False, help="Require HMAC-signed feedback requests"),
-                  adapter: str = typer.Option(None, "--adapter", help="A PEFT LoRA adapter folder to start from "
-                                              "(adapter_config.json + adapter_model.safetensors); it becomes v1"),
-                  as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
-    """Create a tenant. Its API key is shown once, now."""
-    secret = secrets.token_urlsafe(32) if signing_secret else None
-    try:
-        tenant, key = _registry().create_tenant(tenant_id, name=name, signing_secret=secret, init_adapter=adapter)
-    except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from e
-    if as_json:
-        print(json.dumps({"tenant": tenant.id, "api_key": key, "signing_secret": secret,
-                          "init_adapter": tenant.init_adapter}))
-        return
-    start = f", starting from the adapter in {tenant.init_adapter} (published as v1)" if tenant.init_adapter else ""
-    console.print(f"tenant [bold]{tenant.id}[/] created{start}")
-    console.print(f"API key (shown once): [bold green]{key}[/]")
-    if secret:
-        console.print(f"signing secret (shown once): [bold yellow]{secret}[/]")
-
-
-@tenant_app.command("list")
-def tenant_list():
-    """List tenants with their policy and live adapter version."""
-    reg = _registry()
-    table = Table("tenant", "name", "algorithm", "paused", "live version", "active keys")
-    for t in reg.list_tenants():
-        keys = sum(k.revoked_at is None for k in reg.list_keys(t.id))
-        table.add_row(t.id, t.name, t.policy.algorithm, str(t.policy.paused), str(reg.live_version(t.id)), str(keys))
-    console.print(table)
-
-
-@tenant_app.command("rotate-key")
-def tenant_rotate_key(tenant_id: str, key_id: str = typer.Option(None, help="Revoke only this key (default: all)")):
-    """Issue a new API key (shown once) and revoke the old one(s)."""
-    from clora.registry import RegistryError
-
-    try:
-        key = _registry().rotate_key(tenant_id, key_id)
-    except RegistryError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from e
-    console.print(f"new API key (shown once): [bold green]{key}[/]")
-
-
-@tenant_app.command("revoke-key")
-def tenant_revoke_key(tenant_id: str, key_id: str):
-    """Revoke one API key (its id is the part after `clk_`)."""
-    from clora.registry import RegistryError
-
-    try:
-        _registry().revoke_key(tenant_id, key_id)
-    except RegistryError as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from e
-    console.print(f"key {key_id} of {tenant_id} revoked")
-
-
-@tinker_key_app.command("create")
-def tinker_key_create(tenant: str = typer.Option(..., "--tenant", help="The tenant the key trains as"),
-                      as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
-    """Issue a Tinker key (shown once, now): the official `tinker` SDK trains LoRA runs as this
-    tenant with it (`TINKER_API_KEY`, and `TINKER_BASE_URL` the training API's address)."""
-    from clora.registry import TenantNotFound
-
-    reg = _registry()
-    try:
-        key = reg.create_tinker_key(tenant)
-    except TenantNotFound as e:
-        console.print(f"[red]error:[/] --tenant: {escape(str(e))}")
-        raise typer.Exit(2) from e
-    key_id = reg.authenticate_tinker(key).key_id
-    if as_json:
-        print(json.dumps({"tenant": tenant, "key_id": key_id, "tinker_key": key}))
-        return
-    console.print(f"Tinker key {key_id} for [bold]{tenant}[/] (shown once): [bold green]{key}[/]")
-
-
-@tinker_key_app.command("list")
-def tinker_key_list(tenant: str = typer.Option(..., "--tenant", help="Whose Tinker keys"),
-                    as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
-    """List a tenant's Tinker keys (ids and state; the keys themselves are stored hashed)."""
-    from clora.registry import TenantNotFound
-
-    reg = _registry()
-    try:
-        reg.get_tenant(tenant)
-    except TenantNotFound as e:
-        console.print(f"[red]error:[/] --tenant: {escape(str(e))}")
-        raise typer.Exit(2) from e
-    keys = reg.list_tinker_keys(tenant)
-    if as_json:
-        print(json.dumps({"tenant": tenant, "tinker_keys": [k.model_dump() for k in keys]}))
-        return
-    table = Table("key id", "created", "state")
-    for k in keys:
-        state = "active" if k.revoked_at is None else f"revoked {_when(k.revoked_at)}"
-        table.add_row(k.key_id, _when(k.created_at), state)
-    console.print(table)
-
-
-@tinker_key_app.command("revoke")
-def tinker_key_revoke(key_id: str, tenant: str = typer.Option(..., "--tenant", help="Whose key")):
-    """Revoke one Tinker key (its id is the part between `tml-` and the next `_`)."""
-    from clora.registry import RegistryError
-
-    try:
-        _registry().revoke_tinker_key(tenant, key_id)
-    except RegistryError as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
-        raise typer.Exit(2) from e
-    console.print(f"Tinker key {key_id} of {tenant} revoked")
-
-
-def _when(t: float) -> str:
-    import time
-
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
-def _control(method: str, path: str, body: dict | None = None) -> dict:
-    """Call the control-plane API (the console service) as the admin: it validates the change
-    and announces it to serving, as the console's buttons do. Exits 2 with the API's message."""
-    import httpx
-
-    from clora.infra.control import load_admin_token
-
-    s, platform = ConsoleSettings(), PlatformSettings()
-    url = f"http://{s.host}:{s.port}/api{path}"
-    headers = {"Authorization": f"Bearer {load_admin_token(platform.data_dir, platform.admin_token)}"}
-    try:
-        r = httpx.request(method, url, headers=headers, json=body, timeout=30)
-    except httpx.HTTPError as e:
-        console.print(f"[red]error:[/] cannot reach the console at {url} ({e}). Is `clora up` running, "
-                      "or CLORA_CONSOLE_PORT set?")
-        raise typer.Exit(2) from e
-    if r.status_code >= 400:
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text
-        console.print(f"[red]error:[/] {escape(message)}")   # a message may quote a pattern: [a-z]
-        raise typer.Exit(2)
-    return r.json()
-
-
-@tenant_app.command("versions")
-def tenant_versions(tenant_id: str, as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
-    """List a tenant's adapter versions: lineage, held-out loss, the reward each earned serving
-    (mean, and how many scored episodes: an agent episode counts once however many turns it
-    took), and the reward guard's rollbacks."""
-    data = _control("GET", f"/tenants/{tenant_id}/versions")
-    if as_json:
-        print(json.dumps(data))
-        return
-    table = Table("version", "parent", "step", "examples", "held-out loss", "served reward", "notes")
-    for v in reversed(data["versions"]):
-        reward = v.get("served_reward")
-        guard = v.get("rolled_back")
-        table.add_row(f"v{v['version']}" + (" (live)" if v["version"] == data["live"] else ""),
-                      "—" if v["parent_version"] is None else f"v{v['parent_version']}", str(v["step"]),
-                      str(v["examples_seen"]), _num(v["eval_scores"].get("eval_loss")),
-                      "—" if reward is None else f"{reward['mean']:.2f} ({reward['samples']})",
-                      f"rolled back to v{guard['to']} by the reward guard: {guard['reason']}" if guard else "")
-    console.print(table)
-    base = data.get("base_reward")
-    console.print(f"live: {'base model' if data['live'] is None else 'v' + str(data['live'])}"
-                  + ("" if base is None else f"; the base model earned {base['mean']:.2f} ({base['samples']})"))
-
-
-@tenant_app.command("rollback")
-def tenant_rollback(tenant_id: str, to: int = typer.Option(None, "--to", help="The version to make live "
-                                                           "(default: the live version's parent)")):
-    """Make an earlier version live; serving swaps to it at once."""
-    live = _control("POST", f"/tenants/{tenant_id}/rollback", {"version": to})["live"]
-    console.print(f"{tenant_id}: v{live} is live")
-
-
-@tenant_app.command("promote")
-def tenant_promote(tenant_id: str, version: int):
-    """Make any recorded version live (a newer one after a rollback, say); serving swaps at once."""
-    live = _control("POST", f"/tenants/{tenant_id}/versions/{version}/promote")["live"]
-    console.print(f"{tenant_id}: v{live} is live")
-
-
-@tenant_app.command("policy")
-def tenant_policy(tenant_id: str,
-                  reward_spec: str = typer.Option(None, "--reward-spec", help="Set the reward spec: JSON, "
-                                                  "@file.json, or 'none' to train on every score as is "
-                                                  "(docs/events.md)"),
-                  as_json: bool = typer.Option(False, "--json", help="Machine-readable output")):
-    """Show a tenant's learning policy and the feedback its reward spec left untrained, or set
-    its reward spec: the control API validates it (an error names the wrong field) and the
-    ingest workers apply it within seconds."""
-    if reward_spec is not None:
-        policy = _control("PATCH", f"/tenants/{tenant_id}/policy", {"reward_spec": _reward_spec_arg(reward_spec)})
-        untrained = None
-    else:
-        tenant = _control("GET", f"/tenants/{tenant_id}")
-        policy, untrained = tenant["policy"], tenant["untrained_feedback"]
-    if as_json:
-        print(json.dumps({"policy": policy, "untrained_feedback": untrained}))
-        return
-    console.print(", ".join(f"{k}={v}" for k, v in policy.items() if k != "reward_spec"))
-    spec = policy.get("reward_spec")
-    if spec is None:
-        console.print("reward spec: none (every score trains as its own reward, whatever its key and source)")
-    else:
-        table = Table("key", "type", "range", "invert", "weight", "sources", title="reward spec")
-        for key, rule in spec["keys"].items():
-            span = "0/1" if rule["type"] == "bool" else f"{rule['lo']:g} – {rule['hi']:g}"
-            table.add_row(key, rule["type"], span, "yes" if rule["invert"] else "", f"{rule['weight']:g}",
-                          ", ".join(rule["sources"]))
-        console.print(table)
-    if untrained:
-        console.print("untrained feedback: " + ", ".join(f"{why} {n}" for why, n in sorted(untrained.items())))
-
-
-def _reward_spec_arg(value: str) -> dict | None:
-    """`--reward-spec`: 'none' (no spec), JSON, or @file holding JSON. Exits 2 saying what is wrong."""
-    if value.strip().lower() in ("none", "null"):
-        return None
-    text = value
-    if value.startswith("@"):
-        try:
-            text = Path(value[1:]).read_text()
-        except OSError as e:
-            console.print(f"[red]error:[/] --reward-spec: cannot read {value[1:]} ({e})")
-            raise typer.Exit(2) from e
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        console.print(f"[red]error:[/] --reward-spec is not JSON: {e}")
-        raise typer.Exit(2) from e
-    if not isinstance(spec, dict):
-        console.print("[red]error:[/] --reward-spec must be a JSON object: {\"keys\": {...}}")
-        raise typer.Exit(2)
-    return spec
 
 
 def _num(x: float | None) -> str:

@@ -7,7 +7,7 @@ token `clora up` generates into `<data_dir>/admin_token`). Tenant API keys never
 The console is static HTML/JS/CSS shipped in the package (no CDN) that calls this API.
 
 Routes: tenants (list, create — key shown once —, detail with the feedback its reward spec
-left untrained and the guards' alerts, policy, pause/resume), keys
+left untrained and the guards' alerts, policy, pause/resume, delete), keys
 (create, rotate, revoke), Tinker keys for the training API (create — shown once —, list,
 revoke), adapter versions (lineage, promote, roll back, feedback -> served
 freshness), buffers (depth,
@@ -27,12 +27,14 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from clora.checkpoint_storage import CheckpointStorage
 from clora.freshness import percentile
 from clora.registry import InvalidTenantField, LearningPolicy, Registry, RegistryError, TenantNotFound
 from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, bearer_token, first_error, install_error_handlers
 from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.reports import DLQ_RECENT_MAX, EVENTS_MAX, consumer_lag, recent_dead_letters, recent_service_events
 from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent
+from clora.storage import AdapterStorage, StorageError
 
 STATIC = Path(__file__).parent / "static"
 SHAPE: ErrorShape = "clora"
@@ -48,6 +50,8 @@ class NewTenant(BaseModel):
     policy: LearningPolicy | None = None
     init_adapter: str | None = Field(default=None, description="a PEFT LoRA adapter folder on the platform's "
                                      "disk to start from; it becomes v1")
+    signing_secret: bool = Field(default=False, description="require HMAC-signed feedback: a secret is "
+                                 "generated and shown once")
 
 
 class Rollback(BaseModel):
@@ -70,8 +74,11 @@ def load_admin_token(data_dir: Path, configured: str | None) -> str:
 
 
 def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: str, publish=None,
-                       ingest_group: str = "clora-ingest") -> FastAPI:
-    """`publish(topic, key, value_json)` sends adapter events and DLQ replays (None: disabled)."""
+                       ingest_group: str = "clora-ingest", storage: AdapterStorage | None = None,
+                       checkpoints: CheckpointStorage | None = None) -> FastAPI:
+    """`publish(topic, key, value_json)` sends adapter events and DLQ replays (None: disabled).
+    `storage` and `checkpoints`: where a deleted tenant's adapter versions and learner
+    checkpoints are removed from (None: that part of a deletion is left out)."""
     app = FastAPI(title="clora control plane", version="1")
     api = APIRouter(prefix="/api")
 
@@ -97,6 +104,7 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         return {
             "id": t.id, "name": t.name, "paused": t.policy.paused, "algorithm": t.policy.algorithm,
             "live_version": live, "versions": len(versions),
+            "active_keys": sum(k.revoked_at is None for k in registry.list_keys(t.id)),
             "rollbacks": sum(1 for v in versions if v.rolled_back is not None),   # by the reward guard
             "last_publish": max((v.created_at for v in versions), default=None),
             "buffer_depth": {k: buffers.depth(t.id, k) for k in EXAMPLE_KINDS},
@@ -128,16 +136,18 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
 
     @api.post("/tenants", status_code=201, dependencies=[Depends(admin)])
     def create_tenant(body: NewTenant):
+        secret = secrets.token_urlsafe(32) if body.signing_secret else None
         try:
             tenant, key = registry.create_tenant(body.id, name=body.name, policy=body.policy,
-                                                 init_adapter=body.init_adapter)
+                                                 init_adapter=body.init_adapter, signing_secret=secret)
         except ValidationError as e:
             raise HttpError(422, "invalid_request", f"id: {e.errors()[0]['msg']}", "id") from e
         except InvalidTenantField as e:
             raise HttpError(422, "invalid_request", str(e), e.field) from e
         except RegistryError as e:
             raise HttpError(409, "tenant_exists", str(e), "id") from e
-        return {"tenant": summary(tenant), "api_key": key, "note": "the API key is shown once"}
+        return {"tenant": summary(tenant), "api_key": key, "signing_secret": secret,
+                "init_adapter": tenant.init_adapter, "note": "the API key (and signing secret) is shown once"}
 
     @api.get("/tenants/{tenant_id}", dependencies=[Depends(admin)])
     def get_tenant(tenant_id: str):
@@ -168,6 +178,29 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         tenant_or_404(tenant_id)
         return registry.update_policy(tenant_id, paused=False).model_dump()
 
+    @api.delete("/tenants/{tenant_id}", dependencies=[Depends(admin)])
+    def delete_tenant(tenant_id: str):
+        """Delete a tenant and everything it owns, in an order a crash cannot spoil: retire it
+        first (its keys stop authenticating, nothing is live, no learner or gateway lists it),
+        then its replay buffers, adapter folders or objects, learner checkpoints and registry
+        data, and its record last. A DELETE that failed midway is retried to finish the job."""
+        try:
+            registry.retire_tenant(tenant_id)
+        except TenantNotFound as e:
+            raise HttpError(404, "tenant_not_found", str(e), "tenant_id") from None
+        buffers.delete_tenant(tenant_id)
+        try:
+            if storage is not None:
+                storage.delete_tenant(tenant_id)
+            if checkpoints is not None:
+                checkpoints.delete(f"tenants/{tenant_id}")   # `clora.learner.checkpoint.tenant_checkpoint`
+        except StorageError as e:
+            raise HttpError(503, "storage_unavailable", f"tenant {tenant_id!r} is retired but its adapters are "
+                            f"not all deleted yet ({e}); DELETE it again to finish") from e
+        registry.purge_tenant(tenant_id)
+        registry.drop_tenant(tenant_id)
+        return {"deleted": tenant_id}
+
     # --- keys ---------------------------------------------------------------------------
 
     @api.post("/tenants/{tenant_id}/keys", status_code=201, dependencies=[Depends(admin)])
@@ -176,9 +209,13 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         return {"api_key": registry.create_key(tenant_id), "note": "the API key is shown once"}
 
     @api.post("/tenants/{tenant_id}/keys/rotate", status_code=201, dependencies=[Depends(admin)])
-    def rotate_keys(tenant_id: str):
+    def rotate_keys(tenant_id: str, key_id: str | None = None):
+        """A new key; revokes `key_id` (query parameter) or, without it, every active key."""
         tenant_or_404(tenant_id)
-        return {"api_key": registry.rotate_key(tenant_id), "note": "the API key is shown once; old keys revoked"}
+        if key_id is not None and key_id not in {k.key_id for k in registry.list_keys(tenant_id)}:
+            raise HttpError(404, "key_not_found", f"tenant {tenant_id!r} has no key {key_id[:100]!r}", "key_id")
+        return {"api_key": registry.rotate_key(tenant_id, key_id),
+                "note": "the API key is shown once; old keys revoked"}
 
     @api.delete("/tenants/{tenant_id}/keys/{key_id}", dependencies=[Depends(admin)])
     def revoke_key(tenant_id: str, key_id: str):
@@ -356,11 +393,17 @@ def build(kafka_bootstrap: str, redis_url: str, admin_token: str, ingest_group: 
 
     from clora.serving.settings import EngineSettings
 
+    from clora.checkpoint_storage import open_checkpoint_storage
+    from clora.learner.settings import LearnerSettings
+    from clora.storage import StorageSettings, open_storage
+
     client = redis.Redis.from_url(redis_url)
     producer = EventProducer(kafka_bootstrap, timeout_s=5.0)
     registry = Registry(client, reserved_ids=[EngineSettings().base_name])   # no tenant shadows the base model
+    learner, stored = LearnerSettings(), StorageSettings()   # where the learner keeps what a deletion removes
     return create_control_app(registry, ReplayBuffer(client), admin_token, publish=producer.send_sync,
-                              ingest_group=ingest_group)
+                              ingest_group=ingest_group, storage=open_storage(stored, learner.adapters_dir),
+                              checkpoints=open_checkpoint_storage(stored, learner.checkpoints_dir))
 
 
 def _dump(model: BaseModel | None) -> dict | None:

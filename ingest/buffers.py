@@ -642,6 +642,20 @@ class ReplayBuffer:
             out.append(k[k.index("{") + 1:k.index("}")])
         return sorted(out)
 
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every key of `tenant` above (buffers, held-out sets, parked feedback, stats,
+        rewards, served signals, recent feedback): a deleted tenant's data. Safe to repeat;
+        returns how many keys it deleted."""
+        if not tenant or any(c in tenant for c in "*?[]{}\\"):   # the SCAN pattern must name one tenant
+            raise ValueError(f"{tenant[:100]!r} is not a tenant id")
+        deleted, batch = 0, []
+        for key in self.r.scan_iter(match=tkey(tenant, "*"), count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                deleted += self.r.unlink(*batch)
+                batch = []
+        return deleted + (self.r.unlink(*batch) if batch else 0)
+
 
 @dataclass(frozen=True)
 class _ScriptCall:

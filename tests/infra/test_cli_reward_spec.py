@@ -1,6 +1,7 @@
 """`clora tenant policy` in process (typer's runner) against the real control API: it shows a
-tenant's reward spec, sets one (inline or from a file), and a bad one exits 2 naming the field
-without changing anything."""
+tenant's reward spec, sets one (inline or from a file), and a bad one exits naming the field
+without changing anything: 4 when the control API refused it, 2 when the command line could not
+read it."""
 
 from __future__ import annotations
 
@@ -55,23 +56,23 @@ def test_cli_sets_and_shows_a_reward_spec(clora, registry, redis_client, tenant_
     assert code == 0 and registry.get_tenant(tenant_id).policy.reward_spec is None
 
 
-@pytest.mark.parametrize("spec, says", [
-    (json.dumps({"keys": {"stars": {"type": "scale", "lo": 5, "hi": 1, "sources": ["user"]}}}),
+@pytest.mark.parametrize("spec, exit_code, says", [
+    (json.dumps({"keys": {"stars": {"type": "scale", "lo": 5, "hi": 1, "sources": ["user"]}}}), 4,
      "error: reward_spec.keys.stars.hi: Value error, hi (1) must be above lo (5)"),
-    (json.dumps({"keys": {"Stars!": {"type": "bool", "sources": ["user"]}}}),
+    (json.dumps({"keys": {"Stars!": {"type": "bool", "sources": ["user"]}}}), 4,
      "error: reward_spec.keys.Stars!.[key]: String should match pattern '^[a-z0-9][a-z0-9_.-]{0,63}$'"),
-    (json.dumps({"keys": {"t": {"type": "bool", "sources": ["crowd"]}}}), "error: reward_spec.keys.t.sources.0: "),
-    ('{"keys": {', "error: --reward-spec is not JSON: "),
-    ("[1, 2]", "error: --reward-spec must be a JSON object"),
-    ("@nowhere.json", "error: --reward-spec: cannot read nowhere.json"),
+    (json.dumps({"keys": {"t": {"type": "bool", "sources": ["crowd"]}}}), 4, "error: reward_spec.keys.t.sources.0: "),
+    ('{"keys": {', 2, "error: --reward-spec is not JSON: "),
+    ("[1, 2]", 2, "error: --reward-spec must be a JSON object"),
+    ("@nowhere.json", 2, "error: --reward-spec: cannot read nowhere.json"),
 ])
-def test_cli_refuses_a_bad_reward_spec_naming_the_field(clora, registry, tenant_id, spec, says):
+def test_cli_refuses_a_bad_reward_spec_naming_the_field(clora, registry, tenant_id, spec, exit_code, says):
     registry.create_tenant(tenant_id)
     code, said = clora("tenant", "policy", tenant_id, "--reward-spec", spec)
-    assert code == 2 and said.startswith(says), said
+    assert code == exit_code and said.startswith(says), said
     assert registry.get_tenant(tenant_id).policy == LearningPolicy()
 
 
-def test_cli_policy_of_an_unknown_tenant_exits_2(clora, tenant_id):
+def test_cli_policy_of_an_unknown_tenant_exits_3(clora, tenant_id):
     code, said = clora("tenant", "policy", tenant_id)
-    assert code == 2 and said.startswith("error: no tenant"), said
+    assert code == 3 and said.startswith("error: no tenant"), said
