@@ -5,6 +5,6 @@
 | `tools`           | `Tool`, `ToolRegistry`, the safe `Calculator` and `FinalAnswer` |
 | `runtime`         | the agent loop on the OpenAI API (`Agent`, `AsyncAgent`) and `EpisodeTrace` |
 | `envs`            | environments with rewards: arithmetic (tools), support style, structured output |
-| `feedback`        | the feedback webhook client (batches, retries on 503 with the same event ids) |
+| `feedback`        | the feedback webhook client: the tenant SDK's (`clora_client`, sdk/), re-exported |
 | `simulate`        | traffic and operator simulators, held-out evaluation |
 """
