@@ -1,6 +1,7 @@
 """The control-plane API: nothing without the admin token (tenant keys don't open it),
 validated policy edits naming the field, keys shown once, promote / roll back announced on
-`clora.adapters`, DLQ replay."""
+`clora.adapters`, DLQ replay, and deleting a tenant (all it owns, a retried interrupted delete
+included)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ROUTES = [("GET", "/api/tenants"), ("POST", "/api/tenants"), ("GET", "/api/tenan
           ("POST", "/api/dlq/e/replay"), ("GET", "/api/tenants/x/metrics"), ("GET", "/api/tenants/x/buffers"),
           ("GET", "/api/tenants/x/traffic"), ("GET", "/api/platform/events"), ("GET", "/api/tenants/x/freshness"),
           ("POST", "/api/tenants/x/tinker-keys"), ("GET", "/api/tenants/x/tinker-keys"),
-          ("DELETE", "/api/tenants/x/tinker-keys/k"), ("GET", "/api/engine")]
+          ("DELETE", "/api/tenants/x/tinker-keys/k"), ("GET", "/api/engine"), ("DELETE", "/api/tenants/x")]
 
 
 def admin(console) -> dict[str, str]:
@@ -327,3 +328,103 @@ def test_the_engine_view_lists_each_gateways_replicas_and_what_they_refused(cons
     registry.report_engine(gateway + "-other", [], stale_s=-1)      # every report is stale now: forgotten
     assert gateway not in {g["gateway"] for g in
                            httpx.get(f"{console.url}/api/engine", headers=admin(console)).json()["gateways"]}
+
+
+# --- deleting a tenant ------------------------------------------------------------------------
+
+@pytest.fixture
+def deleting_console(stack, tmp_path):
+    """The control API as `build` wires it: with the adapter store and the learner's checkpoints
+    (local, under tmp_path) that a deletion empties."""
+    import uuid
+
+    import redis
+
+    from clora.checkpoint_storage import LocalCheckpoints
+    from clora.infra.control import create_control_app
+    from clora.ingest.buffers import ReplayBuffer
+    from clora.registry import Registry
+    from clora.storage import LocalStorage
+    from tests.fakes import ServerThread
+
+    client = redis.Redis.from_url(stack.redis_url)
+    storage, checkpoints = LocalStorage(tmp_path / "adapters"), LocalCheckpoints(tmp_path / "checkpoints")
+    token = "test-admin-" + uuid.uuid4().hex
+    app = create_control_app(Registry(client), ReplayBuffer(client), token, storage=storage, checkpoints=checkpoints)
+    with ServerThread(app, lifespan="auto") as server:
+        server.token, server.storage, server.checkpoints = token, storage, checkpoints
+        yield server
+
+
+def _tenant_with_everything(server, registry, redis_client, tenant_id, tmp_path) -> dict:
+    """A tenant with an API key, a Tinker key, a buffer, a live published version (its folder in
+    the store) and a learner checkpoint; returns its keys."""
+    from clora.ingest.buffers import PendingWrite, ReplayBuffer
+
+    _, key = registry.create_tenant(tenant_id)
+    tinker = registry.create_tinker_key(tenant_id)
+    ReplayBuffer(redis_client).add_many(tenant_id, [PendingWrite("fb1", [], "", untrained="unknown_key")], now=1.0)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "adapter_config.json").write_text("{}")
+    (server.storage.root / tenant_id).mkdir(parents=True)
+    uri = server.storage.publish(tenant_id, 1, staged)
+    registry.record_adapter_version(tenant_id, AdapterVersion(version=1, path=uri, base_model="tiny"))
+    registry.set_live_version(tenant_id, 1)
+    registry.append_metrics(tenant_id, {"step": 1, "loss": 0.5})
+    (tmp_path / "ckpt.safetensors").write_bytes(b"x")
+    server.checkpoints.put(f"tenants/{tenant_id}", 1, tmp_path / "ckpt.safetensors")
+    return {"api": key, "tinker": tinker}
+
+
+def _assert_gone(server, registry, redis_client, tenant_id, keys) -> None:
+    from clora.registry import TenantNotFound
+
+    assert registry.authenticate(keys["api"]) is None and registry.authenticate_tinker(keys["tinker"]) is None
+    with pytest.raises(TenantNotFound):
+        registry.get_tenant(tenant_id, retired=True)
+    assert tenant_id not in [t.id for t in registry.list_tenants()]
+    assert redis_client.keys(f"clora:t:{{{tenant_id}}}:*") == []            # replay buffers
+    assert redis_client.keys(f"clora:tenant:{tenant_id}*") == []            # record, keys, versions, metrics
+    assert not (server.storage.root / tenant_id).exists()                   # adapter folders
+    assert server.checkpoints.entries(f"tenants/{tenant_id}") == []
+
+
+def test_delete_removes_a_tenant_and_everything_it_owns(deleting_console, registry, redis_client, tenant_id,
+                                                        tmp_path):
+    keys = _tenant_with_everything(deleting_console, registry, redis_client, tenant_id, tmp_path)
+    assert registry.authenticate(keys["api"]).tenant == tenant_id and redis_client.keys(f"clora:t:{{{tenant_id}}}:*")
+    url = f"{deleting_console.url}/api/tenants/{tenant_id}"
+    r = httpx.delete(url, headers=admin(deleting_console))
+    assert r.status_code == 200 and r.json() == {"deleted": tenant_id}
+    _assert_gone(deleting_console, registry, redis_client, tenant_id, keys)
+    again = httpx.delete(url, headers=admin(deleting_console))
+    assert again.status_code == 404 and again.json()["error"]["code"] == "tenant_not_found"
+    assert httpx.get(url, headers=admin(deleting_console)).status_code == 404
+    r = httpx.post(f"{deleting_console.url}/api/tenants", headers=admin(deleting_console), json={"id": tenant_id})
+    assert r.status_code == 201   # the id is free again
+
+
+def test_delete_of_an_unknown_tenant_is_404(deleting_console, tenant_id):
+    r = httpx.delete(f"{deleting_console.url}/api/tenants/{tenant_id}", headers=admin(deleting_console))
+    assert r.status_code == 404 and r.json()["error"]["field"] == "tenant_id"
+
+
+def test_a_delete_interrupted_after_retiring_leaves_nothing_serving_and_a_retry_finishes(
+        deleting_console, registry, redis_client, tenant_id, tmp_path):
+    from clora.registry import TenantNotFound
+
+    keys = _tenant_with_everything(deleting_console, registry, redis_client, tenant_id, tmp_path)
+    registry.retire_tenant(tenant_id)   # where a crash after step 1 leaves it
+    assert registry.authenticate(keys["api"]) is None and registry.authenticate_tinker(keys["tinker"]) is None
+    assert registry.live_version(tenant_id) is None                     # the gateways' hot swap serves nothing
+    assert tenant_id not in [t.id for t in registry.list_tenants()]     # no learner or gateway lists it
+    with pytest.raises(TenantNotFound):
+        registry.get_tenant(tenant_id)
+    url = f"{deleting_console.url}/api/tenants"
+    taken = httpx.post(url, headers=admin(deleting_console), json={"id": tenant_id})
+    assert taken.status_code == 409 and "being deleted" in taken.json()["error"]["message"]
+    assert (deleting_console.storage.root / tenant_id / "v1").is_dir()  # its data is still there
+    r = httpx.delete(f"{url}/{tenant_id}", headers=admin(deleting_console))
+    assert r.status_code == 200
+    _assert_gone(deleting_console, registry, redis_client, tenant_id, keys)
