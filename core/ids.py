@@ -5,7 +5,11 @@ A tenant id is a short slug, because it appears in Redis keys, adapter folders, 
 and URLs. An adapter version is served under one name, `{tenant}@v{version}` (`acme@v7`);
 `served_name` builds it and `parse_served_name` reads it back, and nothing else spells it.
 A response with n > 1 choices is one response `id` whose choices are recorded, and take
-feedback, as `{id}-0` ... `{id}-{n-1}` (`choice_ids`).
+feedback, as `{id}-0` ... `{id}-{n-1}` (`choice_ids`). The gateway names its responses as
+OpenAI does, `chatcmpl-{32 hex digits}` or `cmpl-{32 hex digits}` (`new_response_id`), and
+`GATEWAY_INTERACTION_ID_RE` recognises them and their choices: feedback on an id of that shape
+that the gateway never served is refused, while other ids (clients that record interactions
+themselves) wait for theirs.
 
 Every pattern here is matched whole (`fullmatch`): `^...$` would let a final newline through,
 since Python's `$` also matches before one.
@@ -16,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -41,6 +45,24 @@ with Rust's regex engine, whose `$` is the end of the text: a final newline is r
 def new_id(prefix: str = "ev") -> str:
     """A fresh random id, `{prefix}-{32 hex digits}`."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+GATEWAY_INTERACTION_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}(?:-(?:0|[1-9][0-9]{0,8}))?")
+"""An id the gateway minted (`new_response_id`), or one choice of it (`choice_ids`):
+`chatcmpl-0123...ef`, `cmpl-0123...ef-2` (`fullmatch`)."""
+
+
+def new_response_id(kind: Literal["chat", "completion"]) -> str:
+    """A fresh id for a response the gateway serves, shaped as OpenAI's: `chatcmpl-{32 hex}` for a
+    chat completion, `cmpl-{32 hex}` for a text completion."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def is_gateway_interaction_id(interaction_id: str) -> bool:
+    """Whether `interaction_id` has the shape of an id the gateway mints (`new_response_id`) or of
+    one of its choices: `is_gateway_interaction_id(new_response_id("chat") + "-1")` is True,
+    `is_gateway_interaction_id("my-app-42")` False."""
+    return GATEWAY_INTERACTION_ID_RE.fullmatch(interaction_id) is not None
 
 
 def derived_id(prefix: str, *parts: str) -> str:

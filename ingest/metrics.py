@@ -8,6 +8,9 @@
     clora_feedback_untrained_total{reason}       scores stored but not trained on (reward spec):
                                                  unknown_key | untrusted_source | out_of_range
     clora_webhook_requests_total{status}         webhook answers by status code
+    clora_webhook_feedback_pending_total         records accepted on an interaction id the gateway did not
+                                                 serve: they wait (parked) for a client to record the
+                                                 interaction, and expire unjoined if none does
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ DLQ = Counter("clora_dlq", "Records sent to the dead-letter topic")
 UNTRAINED_FEEDBACK = Counter("clora_feedback_untrained", "Scores stored but not trained on: the tenant's reward "
                              "spec does not take them", ["reason"])
 WEBHOOK = Counter("clora_webhook_requests", "Webhook answers", ["status"])
+FEEDBACK_PENDING = Counter("clora_webhook_feedback_pending", "Feedback records accepted on an interaction id "
+                           "the gateway did not serve, waiting for a client to record the interaction")
 WEBHOOK_EVENTS = Counter("clora_webhook_events_accepted", "Feedback records acknowledged by the broker")
 
 

@@ -10,9 +10,18 @@ Answers:
   feedback names one choice, `{id}-{index}`); 413 past the body or batch limit;
 - 401 for a missing, unknown or revoked API key or a bad/stale HMAC signature;
 - 403 for feedback on an interaction that was served to another tenant;
+- 404 `interaction_not_found` naming the field (`interaction_id`, `records.N.interaction_id`)
+  for an id of the gateway's shape (`clora.ids.is_gateway_interaction_id`: `chatcmpl-{32 hex}`,
+  its choices `{id}-{i}`) that the gateway never served (or served longer ago than its claim
+  lasts, 7 days) — it can never join;
 - 429 (with Retry-After) past the tenant's quota of records/s or bytes/s (`WebhookSettings.quota_*`,
   counted in Redis under `clora:quota:` so that every webhook instance shares it).
 A client may retry any request with the same `event_id`s: ingest stores each once.
+
+Pending feedback: an id of any other shape names an interaction the client records itself (on
+`clora.interactions`), which may arrive after its feedback. Such a record is accepted (202),
+counted in `clora_webhook_feedback_pending_total`, and parked by ingest until its interaction
+arrives; if none does within `IngestSettings.interaction_ttl_s`, it expires unjoined.
 
 Signing (optional, per tenant): when a tenant has a signing secret, requests must carry
 `X-Clora-Timestamp: <unix seconds>` and `X-Clora-Signature: sha256=<hex HMAC-SHA256 of
@@ -40,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 
-from clora.ids import derived_id
+from clora.ids import derived_id, is_gateway_interaction_id
 from clora.registry import Registry, Tenant, TenantNotFound, fetch_interaction_owners, fetch_multi_choice, sign
 from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, api_key, install_error_handlers
 from clora.ingest.settings import WebhookSettings
@@ -197,7 +206,7 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
     app = FastAPI(title="clora feedback webhook", version="1", lifespan=lifespan,
                   description="Feedback on served interactions: rewards, corrections, comments.")
     auth = Authenticator(registry, settings.auth_cache_s)
-    responses = {s: {"model": ErrorBody} for s in (401, 403, 413, 422, 429, 503)}
+    responses = {s: {"model": ErrorBody} for s in (401, 403, 404, 413, 422, 429, 503)}
 
     install_error_handlers(app, SHAPE, on_error=_count_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, shape=SHAPE, on_error=_count_error,
@@ -241,6 +250,12 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
             raise HttpError(422, "choice_required", f"{field(i)}: {response.response_id} is the id of a response with "
                             f"several choices, and feedback is about one of them: send it on "
                             f"{response.describe_ids()} (`{{id}}-{{index}}` of the choice)", field(i))
+        pending = [i for i, response in zip(unowned, multi) if response is None]
+        for i in pending:
+            if is_gateway_interaction_id(records[i].interaction_id):
+                raise HttpError(404, "interaction_not_found", f"{field(i)}: the gateway never served "
+                                f"{records[i].interaction_id!r} (or served it longer ago than the platform keeps "
+                                f"interactions): feedback on it could never join one", field(i))
         try:
             await quota.charge(tenant.id, len(records), len(await request.body()))
         except RedisError as e:
@@ -256,6 +271,7 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
                             headers={"Retry-After": "1"}) from e
         metrics.WEBHOOK.labels("202").inc()
         metrics.WEBHOOK_EVENTS.inc(len(events))
+        metrics.FEEDBACK_PENDING.inc(len(pending))
         return JSONResponse(Accepted(accepted=len(events), event_ids=[e.event_id for e in events]).model_dump(),
                             status_code=202)
 

@@ -398,3 +398,92 @@ def test_feedback_on_the_bare_id_of_an_n_choice_response_is_422_naming_the_ids_t
     _, other_key = registry.create_tenant(other)
     r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(other_key), json={"interaction_id": f"{tid}-r3", "score": 1})
     assert r.status_code == 403, r.text       # someone else's response: not even its shape is told
+
+
+# --- feedback on interactions the gateway never served ------------------------------------------
+
+def pending_count() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("clora_webhook_feedback_pending_total") or 0.0
+
+
+def test_feedback_on_a_gateway_shaped_id_the_gateway_never_served_is_404_naming_the_field(webhook, registry, tenant):
+    from clora.ids import new_response_id
+
+    tid, key = tenant
+    never = new_response_id("chat")
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": never, "score": 1})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "interaction_not_found" and r.json()["error"]["field"] == "interaction_id"
+    assert never in r.json()["error"]["message"]
+    served = new_response_id("completion")
+    registry.claim_response(served, tid, 2)                       # served with n=2: choices -0 and -1
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{served}-2", "score": 1})
+    assert r.status_code == 404 and r.json()["error"]["field"] == "interaction_id", r.text
+
+
+def test_feedback_on_an_interaction_the_gateway_served_is_202_and_joins(stack, registry, redis_client, webhook,
+                                                                         ingest_worker, tenant, wait_for):
+    from clora.ids import new_response_id
+
+    tid, key = tenant
+    iid = new_response_id("chat")
+    serve_interaction(stack, registry, tid, iid)
+    before = pending_count()
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": iid, "score": 1.0})
+    assert r.status_code == 202, r.text
+    wait_for(lambda: depth(redis_client, tid, "rl") == 1, what="the feedback joined its interaction")
+    assert pending_count() == before                              # the platform knew this one
+
+
+def test_a_batch_with_one_never_served_gateway_id_is_404_naming_the_record_and_stores_nothing(
+        stack, registry, redis_client, webhook, ingest_worker, tenant, wait_for):
+    from clora.ids import new_response_id
+
+    tid, key = tenant
+    served = [new_response_id("chat") for _ in range(2)]
+    for iid in served:
+        serve_interaction(stack, registry, tid, iid)
+    records = [{"interaction_id": served[0], "score": 1.0, "event_id": f"{tid}-ok-0"},
+               {"interaction_id": new_response_id("chat"), "score": 1.0, "event_id": f"{tid}-bad"},
+               {"interaction_id": served[1], "score": 1.0, "event_id": f"{tid}-ok-1"}]
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(key), json={"records": records})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"] == {"code": "interaction_not_found", "field": "records.1.interaction_id",
+                                 "message": r.json()["error"]["message"]}
+    assert r.json()["error"]["message"].startswith("records.1.interaction_id: the gateway never served")
+    # One more record on the same tenant's partition: once it is stored, anything the refused batch
+    # had written before it would have been stored too.
+    marker = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key),
+                        json={"interaction_id": served[1], "score": 1.0, "event_id": f"{tid}-marker"})
+    assert marker.status_code == 202, marker.text
+    wait_for(lambda: depth(redis_client, tid, "rl") == 1, what="the marker's rl example")
+    assert [f["event_id"] for f in ReplayBuffer(redis_client).recent_feedback(tid, 10)] == [f"{tid}-marker"]
+
+
+def test_feedback_on_an_id_of_another_shape_is_accepted_as_pending_and_joins_when_recorded(
+        stack, registry, redis_client, webhook, ingest_worker, tenant, wait_for):
+    tid, key = tenant
+    own = f"{tid}-my-app-7"                                        # a client that records interactions itself
+    before = pending_count()
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": own, "score": 1.0})
+    assert r.status_code == 202, r.text
+    assert pending_count() == before + 1
+    ev = InteractionEvent(tenant=tid, interaction_id=own, messages=[{"role": "user", "content": "2+2?"}],
+                          response={"role": "assistant", "content": "4"})
+    producer = EventProducer(stack.kafka_bootstrap)               # recorded by the client, never claimed
+    producer.send_sync(TOPIC_INTERACTIONS, tid, ev.model_dump_json())
+    producer.close()
+    wait_for(lambda: depth(redis_client, tid, "rl") == 1, what="the pending feedback joined")
+
+
+def test_an_unknown_route_a_wrong_method_and_an_invalid_body_answer_the_webhooks_envelope(webhook, tenant):
+    r = httpx.post(f"{webhook.url}/v1/feedbacks", headers=auth(tenant[1]), json={"interaction_id": "x"})
+    assert r.status_code == 404 and r.json() == {"error": {
+        "code": "not_found", "message": "POST /v1/feedbacks: no such route or file", "field": "path"}}
+    r = httpx.get(f"{webhook.url}/v1/feedback", headers=auth(tenant[1]))
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed" and "detail" not in r.json()
+    r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(tenant[1]), json={"records": "none"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "records" and "detail" not in r.json()
