@@ -1,6 +1,7 @@
 // clora console: a client of the control-plane API (/api). No framework, no CDN.
-// Every piece of data reaches the page through textContent or SVG attributes, never
-// innerHTML, so tenant names, comments and feedback text cannot inject markup.
+// Every piece of data reaches the page through textContent, attributes or uPlot (which writes
+// labels as textContent and values on a canvas), never innerHTML, so tenant names, comments and
+// feedback text cannot inject markup. Charts are uPlot's, vendored under /static/vendor/uplot.
 "use strict";
 
 const TOKEN_KEY = "clora-admin-token";
@@ -36,53 +37,102 @@ async function api(path, opts = {}) {
   return body;
 }
 
-// --- charts (SVG) ----------------------------------------------------------------------
+// --- charts (uPlot, vendored under /static/vendor/uplot: no CDN) -----------------------
+// One uPlot per chart slot, kept across refreshes (new data goes in with setData, so a hover
+// survives the 2 s refresh); a chart whose series change, or a page change, builds new ones.
 
-const SVG = "http://www.w3.org/2000/svg";
-function svg(tag, attrs) {
-  const n = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, String(v));
-  return n;
+const charts = new Map();   // chart key -> { u, key, notes }
+const INK = "#8b98a5", GRID = "#263140";
+const fmtSec = uPlot.fmtDate("{HH}:{mm}:{ss}"), fmtMin = uPlot.fmtDate("{HH}:{mm}");
+const fmtDay = uPlot.fmtDate("{MMM} {D} {HH}:{mm}"), fmtFull = uPlot.fmtDate("{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}");
+
+function dropCharts() {
+  for (const c of charts.values()) c.u.destroy();
+  charts.clear();
 }
 
-// series: [{name, color, points: [[x, y], ...]}]
-function lineChart(series, { width = 420, height = 160, title = "", xLabel = "step ", dots = false } = {}) {
-  const pad = 28;
-  const root = svg("svg", { width, height, class: "chart", role: "img", "aria-label": title });
-  const pts = series.flatMap(s => s.points).filter(p => p[1] !== null && p[1] !== undefined);
-  if (title) root.append(Object.assign(svg("text", { x: pad, y: 12 }), { textContent: title }));
-  if (!pts.length) {
-    root.append(Object.assign(svg("text", { x: pad, y: height / 2 }), { textContent: "no data yet" }));
-    return root;
-  }
-  const xs = pts.map(p => p[0]), ys = pts.map(p => p[1]);
-  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) { y1 += 0.5; y0 -= 0.5; }
-  const sx = x => pad + (x - x0) / (x1 - x0) * (width - 2 * pad);
-  const sy = y => height - pad + 8 - (y - y0) / (y1 - y0) * (height - 2 * pad);
-  root.append(svg("line", { x1: pad, y1: height - pad + 8, x2: width - pad, y2: height - pad + 8, stroke: "#35506e" }));
-  root.append(Object.assign(svg("text", { x: 2, y: sy(y1) + 4 }), { textContent: fmtNum(y1, 2) }));
-  root.append(Object.assign(svg("text", { x: 2, y: sy(y0) }), { textContent: fmtNum(y0, 2) }));
-  if (height > 60) {  // x range (step numbers) under the axis
-    root.append(Object.assign(svg("text", { x: pad, y: height - 4 }), { textContent: xLabel + x0 }));
-    root.append(Object.assign(svg("text", { x: width - pad - 40, y: height - 4 }), { textContent: xLabel + x1 }));
-  }
-  series.forEach((s, i) => {
-    const ok = s.points.filter(p => p[1] !== null && p[1] !== undefined);
-    if (!ok.length) return;
-    const d = ok.map((p, j) => (j ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
-    root.append(svg("path", { d, class: "line", stroke: s.color }));
-    if (dots) ok.forEach(p => root.append(svg("circle", { cx: sx(p[0]).toFixed(1), cy: sy(p[1]).toFixed(1), r: 3, fill: s.color, class: "dot" })));
-    if (series.length > 1) {
-      root.append(Object.assign(svg("text", { x: width - pad - 60, y: 12 + 12 * i, fill: s.color }), { textContent: s.name }));
-    }
-  });
-  return root;
+// x-axis tick labels, as precise as the visible span needs; written on the chart as
+// data-x-labels too, since the canvas itself carries no text
+function timeLabels(u, splits) {
+  const span = u.scales.x.max - u.scales.x.min;
+  const fmt = span > 2 * 86400 ? fmtDay : span > 600 ? fmtMin : fmtSec;
+  const labels = splits.map(t => fmt(new Date(t * 1000)));
+  u.root.parentNode && (u.root.parentNode.dataset.xLabels = labels.join(" "));
+  return labels;
 }
 
-function sparkline(values) {
-  return lineChart([{ name: "", color: "#3fb950", points: values.map((v, i) => [i, v]) }], { width: 140, height: 40 });
+// at least a minute of time on the x-axis, and a margin so end points are not cut in half
+function timeRange(u, min, max) {
+  if (min === null || max === null) { const now = Date.now() / 1000; return [now - 3600, now]; }
+  const pad = Math.max(30 - (max - min) / 2, (max - min) * 0.03);
+  return [min - pad, max + pad];
+}
+
+// series: [{label, color, values}] sharing `xs` (unix seconds); `notes[i]` (e.g. "step 20",
+// "v3") is shown with the time of point i in the hover legend. Counts start the y-axis at 0.
+function timeChart(slotId, title, xs, series, { notes = [], dots = false, counts = false, digits = 3 } = {}) {
+  const slot = document.getElementById(slotId);
+  let head = slot.querySelector(":scope > .chart-title"), box = slot.querySelector(":scope > .chart");
+  if (!head || !box) {
+    head = el("h3", { class: "chart-title" });
+    box = el("div", { class: "chart" });
+    slot.replaceChildren(head, box);
+  }
+  head.textContent = title;
+  const order = xs.map((_, i) => i).sort((a, b) => xs[a] - xs[b]);   // uPlot wants x ascending
+  const data = [order.map(i => xs[i]), ...series.map(s => order.map(i => s.values[i] ?? null))];
+  const sortedNotes = order.map(i => notes[i]);
+  box.dataset.points = String(data.slice(1).reduce((n, ys) => n + ys.filter(y => y !== null).length, 0));
+  box.dataset.empty = xs.length ? "false" : "true";
+  const key = slotId + "|" + series.map(s => s.label).join(",") + "|" + dots + "|" + counts;
+  const have = charts.get(slotId);
+  if (have && have.key === key && box.contains(have.u.root)) {
+    have.notes = sortedNotes;
+    have.u.setData(data);
+    return;
+  }
+  if (have) have.u.destroy();
+  const entry = { key, notes: sortedNotes, u: null };
+  const yRange = counts ? (u, min, max) => [0, max > 0 ? max * 1.1 : 1]
+    : (u, min, max) => min === null ? [0, 1] : uPlot.rangeNum(min, max, 0.1, true);
+  entry.u = new uPlot({
+    width: Math.max(240, box.clientWidth || 400), height: 170,
+    cursor: { drag: { x: false, y: false, setScale: false } },
+    legend: { live: true },
+    scales: { x: { time: true, range: timeRange }, y: { range: yRange } },
+    axes: [
+      { stroke: INK, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 }, values: timeLabels, space: 70 },
+      { stroke: INK, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 }, size: 56 },
+    ],
+    series: [
+      { label: "time", value: (u, t, si, idx) => t === null || idx === null ? "—"
+        : fmtFull(new Date(t * 1000)) + (entry.notes[idx] ? ` (${entry.notes[idx]})` : "") },
+      ...series.map(s => ({ label: s.label, stroke: s.color, width: 2, spanGaps: true,
+        points: { show: dots, size: 7, fill: s.color, stroke: s.color },
+        value: (u, v) => v === null || v === undefined ? "—" : fmtNum(v, digits) })),
+    ],
+  }, data, box);
+  charts.set(slotId, entry);
+  new ResizeObserver(() => {
+    if (box.clientWidth && Math.abs(box.clientWidth - entry.u.width) > 1) entry.u.setSize({ width: box.clientWidth, height: 170 });
+  }).observe(box);
+}
+
+// a tenant's reward trend in its overview row: a line, no axes (kept per tenant across refreshes)
+function sparkline(tenantId, values) {
+  const data = [values.map((_, i) => i), values.map(v => v ?? null)];
+  const key = "spark:" + tenantId;
+  const have = charts.get(key);
+  const cell = el("div", { class: "spark", "data-points": String(data[1].filter(v => v !== null).length) });
+  if (have) { have.u.setData(data); cell.append(have.u.root); return cell; }
+  const u = new uPlot({
+    width: 140, height: 40, legend: { show: false }, cursor: { show: false },
+    scales: { x: { time: false }, y: { range: (u, min, max) => min === null ? [0, 1] : uPlot.rangeNum(min, max, 0.1, true) } },
+    axes: [{ show: false }, { show: false }],
+    series: [{}, { stroke: "#3fb950", width: 2, spanGaps: true, points: { show: values.length === 1 } }],
+  }, data, cell);
+  charts.set(key, { key, u, notes: [] });
+  return cell;
 }
 
 // --- views ---------------------------------------------------------------------------
@@ -107,7 +157,7 @@ async function renderOverview(first) {
       t.last_hour.errors ? el("div", { class: "rolled-back" }, `${t.last_hour.errors} errors`) : ""),
     el("td", {}, String(data.consumer_lag ?? "—")),
     el("td", {}, fmtTime(t.last_publish)),
-    el("td", {}, sparkline(t.reward_trend)),
+    el("td", {}, sparkline(t.id, t.reward_trend)),
   ));
   const table = el("table", { id: "tenants" },
     el("thead", {}, el("tr", {}, ["tenant", "state", "live", "buffer sft / pref / rl", "requests (1 h)", "consumer lag", "last publish", "reward trend"].map(h => el("th", {}, h)))),
@@ -134,6 +184,7 @@ async function renderOverview(first) {
     el("thead", {}, el("tr", {}, ["gateway", "replica", "kind", "state", "resident", "in flight", "out of rotation for"].map(h => el("th", {}, h)))),
     el("tbody", {}, replicaRows));
   if (first) {
+    dropCharts();
     const form = el("form", { id: "create-tenant", class: "inline", onsubmit: createTenant },
       el("label", {}, "tenant id", el("input", { name: "id", required: true, pattern: "[a-z0-9][a-z0-9_-]*" })),
       el("label", {}, "display name", el("input", { name: "name" })),
@@ -147,6 +198,8 @@ async function renderOverview(first) {
       el("section", { class: "card" }, el("h2", {}, "Platform events"), el("div", { id: "events-slot" })));
   }
   document.getElementById("tenants-slot").replaceChildren(table);
+  const shown = new Set(data.tenants.map(t => "spark:" + t.id));
+  for (const [key, c] of charts) if (key.startsWith("spark:") && !shown.has(key)) { c.u.destroy(); charts.delete(key); }
   // a guard paused these tenants: an operator must look before resuming them
   const alerted = data.tenants.filter(t => t.paused_reason);
   document.getElementById("alerts-slot").replaceChildren(...(alerted.length ? [el("section", { class: "card alert", id: "alerts" },
@@ -180,6 +233,7 @@ async function renderTenant(id, first) {
     api(`/tenants/${enc}/feedback?n=30`), api(`/tenants/${enc}/buffers?n=5`), api(`/tenants/${enc}/traffic?minutes=60`),
     api(`/tenants/${enc}/freshness`), api(`/tenants/${enc}/tinker-keys`)]);
   if (first) {
+    dropCharts();
     view().replaceChildren(
       el("p", {}, el("a", { href: "#/" }, "← all tenants")),
       el("section", { class: "card" }, el("h2", { id: "tenant-title" }), el("div", { id: "tenant-head" })),
@@ -211,36 +265,46 @@ async function renderTenant(id, first) {
       `step ${t.drift_refusal.step}'s candidate was not published (forgetting guard): ${t.drift_refusal.reason}`) : "",
     t.alerts.length ? el("div", { id: "alert-history" }, t.alerts.slice(0, 5).map(a =>
       el("div", { class: "rolled-back" }, `${fmtTime(a.time)} ${a.kind.replace("_", " ")}: ${a.detail}`))) : "");
-  const pts = metrics.points;
-  const series = (key, color) => ({ name: key, color, points: pts.map(p => [p.step ?? p.time, p[key]]) });
-  document.getElementById("chart-reward").replaceChildren(lineChart([series("reward", "#3fb950")], { title: "reward" }));
-  document.getElementById("chart-loss").replaceChildren(lineChart([series("loss", "#f85149")], { title: "training loss" }));
-  document.getElementById("chart-eval").replaceChildren(lineChart([series("eval", "#4fb0ff")], { title: "held-out loss (lower is better)" }));
-  // what each version earned while it served (the reward guard compares these)
-  const served = versions.versions.filter(v => v.served_reward).map(v => [v.version, v.served_reward.mean]);
-  document.getElementById("chart-served").replaceChildren(lineChart([{ name: "served reward", color: "#d29922", points: served }],
-    { title: "mean reward each version served", xLabel: "v", dots: true }));
-  // what the gateway served it, minute by minute (x: minutes ago)
-  const now = traffic.minutes.length ? traffic.minutes[traffic.minutes.length - 1].minute : 0;
-  const perMinute = (f) => traffic.minutes.map(m => [(m.minute - now) / 60, f(m)]);
+  // the learner's history: one point per step that reported the value, at the time it did
+  const pts = metrics.points.filter(p => typeof p.time === "number");
+  const learnerChart = (slotId, title, key, color) => {
+    const has = pts.filter(p => p[key] !== null && p[key] !== undefined);
+    timeChart(slotId, title, has.map(p => p.time), [{ label: key, color, values: has.map(p => p[key]) }],
+      { notes: has.map(p => p.step === undefined ? "" : "step " + p.step) });
+  };
+  learnerChart("chart-reward", "reward", "reward", "#3fb950");
+  learnerChart("chart-loss", "training loss", "loss", "#f85149");
+  learnerChart("chart-eval", "held-out loss (lower is better)", "eval", "#4fb0ff");
+  // what each version earned while it served (the reward guard compares these), at its publish time
+  const served = versions.versions.filter(v => v.served_reward);
+  timeChart("chart-served", "mean reward each version served", served.map(v => v.created_at),
+    [{ label: "served reward", color: "#d29922", values: served.map(v => v.served_reward.mean) }],
+    { notes: served.map(v => "v" + v.version), dots: true });
+  // what the gateway served it, minute by minute
+  const minutes = traffic.minutes.map(m => m.minute);
   const lastHour = traffic.minutes.reduce((n, m) => n + (m.requests ?? 0), 0);
-  document.getElementById("chart-requests").replaceChildren(lineChart([
-    { name: "requests", color: "#4fb0ff", points: perMinute(m => m.requests ?? 0) },
-    { name: "refused", color: "#d29922", points: perMinute(m => m.refused ?? 0) },
-    { name: "errors", color: "#f85149", points: perMinute(m => m.errors ?? 0) }],
-    { title: `requests per minute (last hour: ${lastHour})`, xLabel: "min " }));
-  document.getElementById("chart-latency").replaceChildren(lineChart([
-    { name: "latency", color: "#a371f7", points: perMinute(m => m.ok ? m.latency_s / m.ok : null) }],
-    { title: "mean latency of answered requests (s)", xLabel: "min ", dots: true }));
-  // feedback -> served: from each feedback event's 202 to the first completion of the version first trained on it
-  const fresh = (key) => ({ name: key.slice(0, 3), points: freshness.versions.map(v => [v.version, v[key]]) });
-  document.getElementById("freshness").replaceChildren(
-    el("p", { id: "freshness-summary", class: "muted" }, freshness.events
-      ? `feedback → served: p50 ${fmtNum(freshness.p50_s, 1)} s, p99 ${fmtNum(freshness.p99_s, 1)} s over ${freshness.events} events`
-      : "feedback → served: no version trained on feedback has served yet"),
-    lineChart([{ ...fresh("p50_s"), color: "#4fb0ff" }, { ...fresh("p99_s"), color: "#f85149" },
-      { name: "pub", color: "#8b98a5", points: freshness.versions.map(v => [v.version, v.published_to_served_s]) }],
-      { title: "feedback → served s per version (pub: publish → served)", xLabel: "v", dots: true }));
+  timeChart("chart-requests", `requests per minute (last hour: ${lastHour})`, minutes, [
+    { label: "requests", color: "#4fb0ff", values: traffic.minutes.map(m => m.requests ?? 0) },
+    { label: "refused", color: "#d29922", values: traffic.minutes.map(m => m.refused ?? 0) },
+    { label: "errors", color: "#f85149", values: traffic.minutes.map(m => m.errors ?? 0) }], { counts: true, digits: 0 });
+  timeChart("chart-latency", "mean latency of answered requests (s)", minutes,
+    [{ label: "latency s", color: "#a371f7", values: traffic.minutes.map(m => m.ok ? m.latency_s / m.ok : null) }],
+    { dots: true });
+  // feedback -> served: from each feedback event's 202 to the first completion of the version first
+  // trained on it, per version at the time it first served
+  if (first || !document.getElementById("freshness-summary")) {
+    document.getElementById("freshness").replaceChildren(el("p", { id: "freshness-summary", class: "muted" }),
+      el("div", { id: "chart-freshness" }));
+  }
+  document.getElementById("freshness-summary").textContent = freshness.events
+    ? `feedback → served: p50 ${fmtNum(freshness.p50_s, 1)} s, p99 ${fmtNum(freshness.p99_s, 1)} s over ${freshness.events} events`
+    : "feedback → served: no version trained on feedback has served yet";
+  const fv = freshness.versions;
+  timeChart("chart-freshness", "feedback → served s per version (pub: publish → served)", fv.map(v => v.first_served_at), [
+    { label: "p50", color: "#4fb0ff", values: fv.map(v => v.p50_s) },
+    { label: "p99", color: "#f85149", values: fv.map(v => v.p99_s) },
+    { label: "pub", color: "#8b98a5", values: fv.map(v => v.published_to_served_s) }],
+    { notes: fv.map(v => "v" + v.version), dots: true, digits: 1 });
   const freshCell = (f) => !f ? "—" : f.events
     ? `${fmtNum(f.p50_s, 1)} / ${fmtNum(f.p99_s, 1)} s (${f.events})` : `no feedback (${fmtNum(f.published_to_served_s, 1)} s to serve)`;
   document.getElementById("versions-slot").replaceChildren(el("table", { id: "versions" },

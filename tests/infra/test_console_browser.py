@@ -1,15 +1,18 @@
 """The console in a real headless browser (Debian's chromium, driven by Playwright) against a
 running stack: sign in, create a tenant and see its key once (a Tinker key too), watch the
-buffer grow as feedback arrives, roll back a version, and prove hostile text is shown, not
-executed.
+buffer grow as feedback arrives, roll back a version, read the uPlot charts (time on the x-axis,
+values on hover), and prove hostile text is shown, not executed and that the page never asks any
+host but the console's own (uPlot is vendored, no CDN).
 Screenshots of each page go to test-artifacts/."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -39,9 +42,26 @@ def browser():
         b.close()
 
 
+def keep_on_host(ctx) -> list[str]:
+    """Abort every request the browser makes to a host other than 127.0.0.1; returns the list
+    the aborted URLs are added to."""
+    off_host: list[str] = []
+
+    def route(r):
+        if urlsplit(r.request.url).hostname == "127.0.0.1":
+            r.continue_()
+        else:
+            off_host.append(r.request.url)
+            r.abort()
+
+    ctx.route("**/*", route)
+    return off_host
+
+
 @pytest.fixture
 def page(browser, console):
     ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    off_host = keep_on_host(ctx)
     p = ctx.new_page()
     errors: list[str] = []
     p.on("pageerror", lambda e: errors.append(str(e)))
@@ -49,14 +69,20 @@ def page(browser, console):
     p.fill("#token", console.token)
     p.click("#login-form button")
     p.wait_for_selector("#tenants")
+    p.off_host = off_host
     yield p
     ctx.close()
     assert not errors, errors
+    assert not off_host, f"the console asked hosts other than its own: {off_host}"
 
 
 def shot(p, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     p.screenshot(path=str(ARTIFACTS / f"console-{name}.png"), full_page=True)
+
+
+def legend_labels(p, chart: str) -> list[str]:
+    return [t.strip() for t in p.locator(f"{chart} .u-legend .u-series th").all_inner_texts()]
 
 
 def test_login_is_required(browser, console):
@@ -192,12 +218,13 @@ def test_rollback_changes_the_live_version(page, registry, redis_client, tenant_
     page.wait_for_selector("#live-version:has-text('v3')")
     assert page.inner_text("#training-error") == ("training fails (2 time(s) in a row, next try in 10 s): "
                                                   "FloatingPointError: non-finite gradient")
-    assert page.locator("#chart-reward path.line").count() == 1
+    assert page.locator("#chart-reward .uplot").count() == 1
+    assert page.get_attribute("#chart-reward .chart", "data-points") == "3"   # the failed step has no reward
     assert page.inner_text("tr[data-version='3'] td.served-reward") == "0.67 (3)"
-    assert page.locator("#chart-served circle.dot").count() == 1   # only v3 served scored answers
-    assert page.locator("#chart-requests path.line").count() == 3  # requests, refused, errors
+    assert page.get_attribute("#chart-served .chart", "data-points") == "1"   # only v3 served scored answers
+    assert legend_labels(page, "#chart-requests") == ["time", "requests", "refused", "errors"]
     assert "last hour: 10" in page.inner_text("#chart-requests")
-    assert page.locator("#chart-latency circle.dot").count() == 2  # the two minutes that answered
+    assert page.get_attribute("#chart-latency .chart", "data-points") == "2"  # the two minutes that answered
     assert page.inner_text("tr[data-version='1'] td.served-reward") == "—"
     assert page.inner_text("tr[data-version='2'] .rolled-back") == "rolled back to v1 by the reward guard"
     assert page.is_checked("#policy-form input[name=reward_guard]")
@@ -240,7 +267,8 @@ def test_the_tenant_page_shows_each_versions_feedback_to_served_latency(page, re
     assert page.inner_text("#freshness-summary") == "feedback → served: p50 25.0 s, p99 29.9 s over 2 events"
     assert page.inner_text("tr[data-version='2'] td.freshness") == "25.0 / 29.9 s (2)"
     assert page.inner_text("tr[data-version='1'] td.freshness") == "no feedback (2.5 s to serve)"
-    assert page.locator("#freshness circle.dot").count() == 4      # v2's p50 and p99; both versions' publish -> served
+    # v2's p50 and p99; both versions' publish -> served
+    assert page.get_attribute("#freshness .chart", "data-points") == "4"
     shot(page, "tenant-freshness")
 
 
@@ -280,3 +308,80 @@ def test_hostile_text_is_escaped(page, stack, registry, webhook, ingest_worker, 
     assert XSS in page.inner_text("#tenant-title")
     assert page.locator("#view img").count() == 0 and page.locator("#view script").count() == 0
     shot(page, "xss")
+
+
+TIME_LABEL = re.compile(r"[0-9]{2}:[0-9]{2}(:[0-9]{2})?")
+
+
+def test_the_charts_are_uplot_with_time_on_the_x_axis_and_values_on_hover(page, registry, tenant_id):
+    registry.create_tenant(tenant_id, name="Charts")
+    for step, reward in ((10, 0.25), (20, 0.5), (30, 0.75)):
+        registry.append_metrics(tenant_id, {"step": step, "loss": 1.0 / step, "reward": reward})
+    minute = int(time.time() // 60)
+    registry.add_traffic({(tenant_id, minute - 30): {"requests": 4, "ok": 4, "latency_s": 2.0},
+                          (tenant_id, minute): {"requests": 2, "ok": 1, "latency_s": 0.5, "errors": 1}})
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    for chart in ("#chart-reward", "#chart-loss", "#chart-eval", "#chart-served", "#chart-requests",
+                  "#chart-latency", "#freshness"):
+        page.wait_for_selector(f"{chart} .uplot canvas")
+    assert page.locator("#view svg").count() == 0                       # no hand-drawn charts left
+    for chart in ("#chart-reward", "#chart-requests"):
+        labels = page.get_attribute(f"{chart} .chart", "data-x-labels").split()
+        assert labels and all(TIME_LABEL.fullmatch(x) for x in labels), labels
+    # the hour of traffic: minutes, the three seconds of learner steps: seconds
+    assert all(len(x) == 5 for x in page.get_attribute("#chart-requests .chart", "data-x-labels").split())
+    value = page.locator("#chart-reward .u-legend .u-series").nth(1).locator(".u-value")
+    assert value.inner_text() in ("—", "--")                            # no cursor yet: no value
+    box = page.locator("#chart-reward .u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("""() => /^[0-9.]+$/.test(document.querySelector(
+        "#chart-reward .u-legend .u-series:nth-child(2) .u-value").textContent)""")
+    assert value.inner_text() in ("0.250", "0.500", "0.750")
+    when = page.locator("#chart-reward .u-legend .u-series").nth(0).locator(".u-value").inner_text()
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2} \(step [123]0\)", when), when
+    page.mouse.move(box["x"] + box["width"] - 2, box["y"] + box["height"] / 2)   # the latest step
+    page.wait_for_function("""() => document.querySelector(
+        "#chart-reward .u-legend .u-series:nth-child(2) .u-value").textContent === "0.750" """)
+    # the next refresh (every 2 s) keeps the chart and the hovered value
+    page.wait_for_function("""() => document.getElementById("status").textContent.startsWith("updated")""")
+    first = page.inner_text("#status")
+    page.wait_for_function(f"""() => document.getElementById("status").textContent !== {first!r}""", timeout=10_000)
+    assert page.locator("#chart-reward .uplot").count() == 1 and value.inner_text() == "0.750"
+    # the legends sit under their plots, side by side with the other charts' and not over them
+    plots = [page.locator(f"{c} .uplot").bounding_box() for c in ("#chart-reward", "#chart-loss")]
+    legend = page.locator("#chart-reward .u-legend").bounding_box()
+    over = page.locator("#chart-reward .u-over").bounding_box()
+    assert legend["y"] >= over["y"] + over["height"] - 1
+    assert plots[0]["x"] + plots[0]["width"] <= plots[1]["x"] or plots[0]["y"] + plots[0]["height"] <= plots[1]["y"]
+    shot(page, "tenant-charts")
+    assert page.off_host == []
+
+
+def test_the_console_never_asks_another_host(browser, console):
+    ctx = browser.new_context()
+    off_host = keep_on_host(ctx)
+    asked: list[str] = []
+    ctx.on("request", lambda r: asked.append(r.url))
+    p = ctx.new_page()
+    p.goto(console.url + "/console/")
+    p.fill("#token", console.token)
+    p.click("#login-form button")
+    p.wait_for_selector("#tenants")
+    p.wait_for_function("() => window.uPlot !== undefined")
+    ctx.close()
+    assert any(u.endswith("/static/vendor/uplot/uPlot.iife.min.js") for u in asked), asked
+    assert any(u.endswith("/static/vendor/uplot/uPlot.min.css") for u in asked), asked
+    assert off_host == [] and all(urlsplit(u).hostname == "127.0.0.1" for u in asked), asked
+
+
+def test_the_control_api_answers_unknown_routes_and_wrong_methods_in_its_envelope(console):
+    auth = {"Authorization": f"Bearer {console.token}"}
+    r = httpx.get(f"{console.url}/api/nowhere", headers=auth)
+    assert r.status_code == 404 and r.json() == {"error": {
+        "code": "not_found", "message": "GET /api/nowhere: no such route or file", "field": "path"}}
+    r = httpx.delete(f"{console.url}/api/tenants", headers=auth)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and "allow" in r.headers
+    r = httpx.get(f"{console.url}/static/vendor/uplot/missing.js")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.post(f"{console.url}/api/tenants", headers=auth, json={"id": 7})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "id" and "detail" not in r.json()
