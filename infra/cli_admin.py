@@ -370,7 +370,8 @@ def tinker_key_create(tenant: TinkerTenant, as_json: AsJson = False, url: Url = 
     if as_json:
         emit({"tenant": tenant, "key_id": made["key_id"], "tinker_key": made["tinker_key"]})
         return
-    console.print(f"Tinker key {made['key_id']} for [bold]{tenant}[/] (shown once): [bold green]{made['tinker_key']}[/]")
+    console.print(f"Tinker key {made['key_id']} for [bold]{tenant}[/] (shown once): "
+                  f"[bold green]{made['tinker_key']}[/]")
 
 
 @tinker_key_app.command("list")
