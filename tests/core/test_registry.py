@@ -195,3 +195,24 @@ def test_a_tinker_sampler_path_maps_to_its_version_for_its_tenant_only(registry,
     with pytest.raises(TenantNotFound):
         registry.tinker_sampler_version("acme:keys", path)
 
+
+
+def test_a_tenant_is_deleted_in_three_steps_each_safe_to_repeat(registry, redis_client, tenant_id):
+    _, key = registry.create_tenant(tenant_id)
+    other, other_key = registry.create_tenant(tenant_id + "-2")   # shares the prefix, must survive
+    with pytest.raises(RegistryError, match="in service"):
+        registry.purge_tenant(tenant_id)                            # data goes only after retiring
+    for _ in range(2):
+        registry.retire_tenant(tenant_id)
+    assert registry.authenticate(key) is None and tenant_id not in [t.id for t in registry.list_tenants()]
+    with pytest.raises(TenantNotFound):
+        registry.get_tenant(tenant_id)
+    assert registry.get_tenant(tenant_id, retired=True).retired_at is not None
+    with pytest.raises(RegistryError, match="being deleted"):
+        registry.create_tenant(tenant_id)
+    assert registry.purge_tenant(tenant_id) >= 1 and registry.purge_tenant(tenant_id) == 0
+    registry.drop_tenant(tenant_id)
+    assert redis_client.keys(f"clora:tenant:{tenant_id}") == [] and redis_client.keys(f"clora:tenant:{tenant_id}:*") == []
+    with pytest.raises(TenantNotFound):
+        registry.retire_tenant(tenant_id)
+    assert registry.authenticate(other_key).tenant == other.id and registry.list_keys(other.id)
