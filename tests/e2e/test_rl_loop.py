@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from clora.agents.envs.base import Difficulty, Problem, TaskEnv
 from clora.agents.feedback import FeedbackClient
@@ -82,6 +83,17 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
 
     history = []                                     # (version the step's rollouts were sampled from, reward)
     flat = []                                        # per step: no trained group had a reward spread
+    refused = []                                     # per step: the publish gate refused its candidate
+    metrics_url = f"http://127.0.0.1:{env['CLORA_LEARNER_METRICS_PORT']}/metrics"
+
+    def refusals() -> float:
+        """How many candidates of TENANT the learner has not published (any refusal outcome)."""
+        text = httpx.get(metrics_url).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "clora_learner_publishes_total" and s.labels.get("tenant") == TENANT
+                   and s.labels.get("outcome") != "published")
+
+    refused_before = refusals()
     mean = lambda rs: sum(r for _, r in rs) / len(rs)
     holdout = BufferPolicy().holdout_fraction
     while len(history) < MAX_STEPS and not (len(history) >= 6 and mean(history[-3:]) > mean(history[:3]) + RISE):
@@ -92,14 +104,23 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
         history.append((version, report.mean_reward))
         kept = [r for r in report.rollouts if not is_heldout(r.trace.group_id, holdout)]
         flat.append(not has_reward_spread([r.reward for r in kept], [r.trace.group_id for r in kept]))
+        refused.append(False)
         if flat[-1]:  # e.g. every rollout right: the learner consumes the batch without a step
             continue
         # on-policy: the next step waits for the learner to publish from this step's data
-        # and for serving to swap that version in
+        # and for serving to swap that version in. About one run in seven holds a group out
+        # (`is_heldout` on a random group id): the publish gate then scores each candidate on
+        # those held-out samples' NLL, and may refuse one whose policy moved fast. A refusal
+        # publishes nothing; the next step samples the same version again, and the learner
+        # trains on from the refused candidate.
         deadline = time.monotonic() + 120
-        while (live() or 0) <= (version or 0):
-            assert time.monotonic() < deadline, f"no version after step {len(history)}: {history}"
+        while (live() or 0) <= (version or 0) and refusals() == refused_before:
+            assert time.monotonic() < deadline, f"no version and no refusal after step {len(history)}: {history}"
             time.sleep(0.3)
+        refused_before, refused_now = refusals(), refusals() != refused_before
+        refused[-1] = refused_now and (live() or 0) <= (version or 0)
+        if refused[-1]:
+            continue
         new = live()
         deadline = time.monotonic() + 60
         while served() != served_name(TENANT, new):
@@ -109,9 +130,10 @@ def test_rl_from_rewards_raises_the_reward_of_the_served_adapter(platform):
     versions = [v for v, _ in history]
     # after a step with no reward spread the version may stay, or move on if a late group of the
     # step before trained a second version meanwhile
-    assert versions[0] is None and all((b or 0) >= (a or 0) if was_flat else (b is not None and (a or 0) < b)
-                                       for a, b, was_flat in zip(versions, versions[1:], flat)), \
-        f"every step's rollouts must come from a newer version than the last (unless it had no reward spread): {history}"
+    assert versions[0] is None and all((b or 0) >= (a or 0) if was_flat or was_refused else (b is not None and (a or 0) < b)
+                                       for a, b, was_flat, was_refused in zip(versions, versions[1:], flat, refused)), \
+        (f"every step's rollouts must come from a newer version than the last (unless it had no reward spread or "
+         f"its candidate was refused): {history}, refused {refused}")
     print("RL history (version, mean reward):", history)
     assert mean(history[-3:]) > mean(history[:3]) + RISE, f"reward did not rise in {MAX_STEPS} steps: {history}"
 

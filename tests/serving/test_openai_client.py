@@ -7,7 +7,7 @@ import concurrent.futures as cf
 import contextlib
 import json
 import socket
-import threading
+import time
 
 import httpx
 import openai
@@ -209,28 +209,45 @@ def test_auth_and_validation_errors(serving, tenants, client_for):
 
 
 def test_concurrency_quota_answers_429(serving, tenants, client_for):
+    """`limit` streams held open (each has sent its first chunk, so each was admitted and is
+    generating) fill the tenant's concurrency: every further request gets 429 with a
+    Retry-After, whatever the machine's speed, until the streams close."""
     tenant, key = tenants.create(11)
     limit = serving.gateway_settings.tenant_concurrency
+    client = client_for(key)
+    streams = []
+    try:
+        for _ in range(limit):
+            stream = client.completions.create(model="base", prompt="go", max_tokens=400, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            next(iter(stream))            # admitted: its first chunk is here, and it generates on
+            streams.append(stream)
 
-    start = threading.Barrier(limit + 6)
+        def extra(_):
+            try:
+                client_for(key).completions.create(model="base", prompt="go", max_tokens=2)
+                return 200
+            except openai.RateLimitError as e:
+                assert e.code == "rate_limit_exceeded"
+                assert e.response.headers.get("retry-after")
+                return 429
 
-    def one(_):
-        client = client_for(key)
-        start.wait()              # all at once, and long enough (no early EOS) to overlap
+        with cf.ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(extra, range(6)))
+        assert codes == [429] * 6, codes
+    finally:
+        for stream in streams:
+            stream.close()
+    # Once the streams are closed the tenant is served again (their slots free as the gateway
+    # sees each disconnect).
+    deadline = time.monotonic() + 60
+    while True:
         try:
-            client.completions.create(model="base", prompt="go", max_tokens=160, temperature=0,
-                                      extra_body={"ignore_eos": True})
-            return 200
-        except openai.RateLimitError as e:
-            assert e.code == "rate_limit_exceeded"
-            assert e.response.headers.get("retry-after")
-            return 429
-
-    with cf.ThreadPoolExecutor(limit + 6) as pool:
-        codes = list(pool.map(one, range(limit + 6)))
-    assert codes.count(429) >= 1 and codes.count(200) >= limit // 2
-    # Once the burst is over the tenant is served again.
-    assert client_for(key).completions.create(model="base", prompt="go", max_tokens=2).choices
+            assert client_for(key).completions.create(model="base", prompt="go", max_tokens=2).choices
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the tenant's slots were not freed after its streams closed"
+            time.sleep(0.2)
 
 
 def test_health_endpoint(serving):
