@@ -1,5 +1,5 @@
 """Tinker keys (the training API's, `tml-...`) issued to tenants: by the control API (admin only,
-shown once, listed by id, revoked) and by `clora tinker-key` against the real Redis. An unknown
+shown once, listed by id, revoked) and by `clora tinker-key` through that API (over the real Redis). An unknown
 tenant or key, or no admin token, is a 4xx naming the field in clora's error shape, and changes
 nothing."""
 
@@ -77,13 +77,16 @@ def test_tinker_key_routes_need_the_admin_token_and_name_the_authorization_heade
 
 
 @pytest.fixture
-def clora(stack, monkeypatch, tmp_path):
-    """Run `clora ...` in process against the suite's Redis; returns (exit code, output on one line)."""
+def clora(stack, console, monkeypatch, tmp_path):
+    """Run `clora ...` in process against the suite's control API (over its Redis); returns
+    (exit code, output on one line)."""
     from typer.testing import CliRunner
 
     from clora.infra.cli import app
 
     monkeypatch.setenv("CLORA_REDIS_URL", stack.redis_url)
+    monkeypatch.setenv("CLORA_CONTROL_URL", console.url)
+    monkeypatch.setenv("CLORA_CONTROL_TOKEN", console.token)
     monkeypatch.chdir(tmp_path)
 
     def run(*args: str) -> tuple[int, str]:
@@ -114,15 +117,16 @@ def test_the_cli_issues_lists_and_revokes_tinker_keys(clora, registry, tenant_id
     assert code == 0 and "revoked" in said and "active" in said, said
 
 
-@pytest.mark.parametrize("args, says", [
-    (["create", "--tenant", "{t}-nobody"], "error: --tenant: no tenant '{t}-nobody'"),
-    (["list", "--tenant", "{t}-nobody"], "error: --tenant: no tenant '{t}-nobody'"),
-    (["create", "--tenant", "Bad Id"], "error: --tenant: no tenant 'Bad Id': a tenant id is 1-63 chars"),
-    (["revoke", "--tenant", "{t}", "nope"], "error: tenant '{t}' has no Tinker key 'nope'"),
-    (["create"], "Missing option '--tenant'"),
+@pytest.mark.parametrize("args, exit_code, says", [
+    (["create", "--tenant", "{t}-nobody"], 3, "no tenant '{t}-nobody'"),
+    (["list", "--tenant", "{t}-nobody"], 3, "no tenant '{t}-nobody'"),
+    (["create", "--tenant", "Bad Id"], 3, "no tenant 'Bad Id'"),
+    (["revoke", "--tenant", "{t}", "nope"], 3, "'nope'"),
+    (["create"], 2, "Missing option '--tenant'"),
 ])
-def test_the_cli_refuses_an_unknown_tenant_or_key_naming_it(clora, registry, tenant_id, args, says):
+def test_the_cli_refuses_an_unknown_tenant_or_key_naming_it(clora, registry, tenant_id, args, exit_code, says):
+    """Not found exits 3 (usage 2), with one line naming what was not found."""
     registry.create_tenant(tenant_id)
     code, said = clora("tinker-key", *[a.format(t=tenant_id) for a in args])
-    assert code == 2 and says.format(t=tenant_id) in said, said
+    assert code == exit_code and says.format(t=tenant_id) in said, said
     assert registry.list_tinker_keys(tenant_id) == []
