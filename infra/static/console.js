@@ -46,8 +46,13 @@ const INK = "#8b98a5", GRID = "#263140";
 const fmtSec = uPlot.fmtDate("{HH}:{mm}:{ss}"), fmtMin = uPlot.fmtDate("{HH}:{mm}");
 const fmtDay = uPlot.fmtDate("{MMM} {D} {HH}:{mm}"), fmtFull = uPlot.fmtDate("{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}");
 
+function dropChart(c) {
+  if (c.resized) c.resized.disconnect();
+  c.u.destroy();
+}
+
 function dropCharts() {
-  for (const c of charts.values()) c.u.destroy();
+  for (const c of charts.values()) dropChart(c);
   charts.clear();
 }
 
@@ -91,8 +96,8 @@ function timeChart(slotId, title, xs, series, { notes = [], dots = false, counts
     have.u.setData(data);
     return;
   }
-  if (have) have.u.destroy();
-  const entry = { key, notes: sortedNotes, u: null };
+  if (have) dropChart(have);
+  const entry = { key, notes: sortedNotes, u: null, resized: null };
   const yRange = counts ? (u, min, max) => [0, max > 0 ? max * 1.1 : 1]
     : (u, min, max) => min === null ? [0, 1] : uPlot.rangeNum(min, max, 0.1, true);
   entry.u = new uPlot({
@@ -113,9 +118,10 @@ function timeChart(slotId, title, xs, series, { notes = [], dots = false, counts
     ],
   }, data, box);
   charts.set(slotId, entry);
-  new ResizeObserver(() => {
+  entry.resized = new ResizeObserver(() => {
     if (box.clientWidth && Math.abs(box.clientWidth - entry.u.width) > 1) entry.u.setSize({ width: box.clientWidth, height: 170 });
-  }).observe(box);
+  });
+  entry.resized.observe(box);
 }
 
 // a tenant's reward trend in its overview row: a line, no axes (kept per tenant across refreshes)
@@ -199,7 +205,7 @@ async function renderOverview(first) {
   }
   document.getElementById("tenants-slot").replaceChildren(table);
   const shown = new Set(data.tenants.map(t => "spark:" + t.id));
-  for (const [key, c] of charts) if (key.startsWith("spark:") && !shown.has(key)) { c.u.destroy(); charts.delete(key); }
+  for (const [key, c] of charts) if (key.startsWith("spark:") && !shown.has(key)) { dropChart(c); charts.delete(key); }
   // a guard paused these tenants: an operator must look before resuming them
   const alerted = data.tenants.filter(t => t.paused_reason);
   document.getElementById("alerts-slot").replaceChildren(...(alerted.length ? [el("section", { class: "card alert", id: "alerts" },
