@@ -7,6 +7,7 @@ Each `render_*` function returns markdown:
 - `render_metrics()`: every Prometheus metric the services register (`metric_families()`), with
   its type, labels and help;
 - `render_policy()`: the fields of a tenant's learning policy (`clora.registry.LearningPolicy`);
+- `render_cli()`: every `clora` command, its arguments and options, from the typer app;
 - `render_openapi(app)`: a FastAPI app's routes, parameters, bodies and responses, from its
   `.openapi()` document (`openapi_apps()` builds the webhook, control API and Tinker API apps
   without connecting to anything).
@@ -397,6 +398,41 @@ def render_openapi(app) -> str:
     return "\n".join(out)
 
 
+# --- the CLI --------------------------------------------------------------------------------
+
+def render_cli() -> str:
+    """Every `clora` command with its arguments, options and help, from the typer app itself."""
+    import typer
+
+    from clora.infra.cli import app
+
+    root = typer.main.get_command(app)
+    out: list[str] = []
+
+    def walk(command, path: list[str]) -> None:  # typer's own (vendored) click commands and groups
+        if hasattr(command, "commands"):
+            for name in sorted(command.commands):
+                walk(command.commands[name], [*path, name])
+            return
+        ctx = command.context_class(command, info_name=" ".join(path))
+        out.append(f"### `{' '.join(path)}`\n")
+        out.append(f"`{command.get_usage(ctx).removeprefix('Usage: ')}`\n")
+        if command.help:
+            out.append(inspect.cleandoc(command.help).split("\n\n")[0] + "\n")
+        rows = []
+        for param in command.params:
+            record = param.get_help_record(ctx)
+            if record is None and param.param_type_name == "argument":
+                record = (param.human_readable_name, "")
+            if record is not None:
+                rows.append(f"| `{record[0]}` | {_cell(_one_line(record[1]))} |")
+        if rows:
+            out.extend(["| argument or option | meaning |", "|---|---|", *rows, ""])
+
+    walk(root, ["clora"])
+    return "\n".join(out)
+
+
 # --- the hook's entry point ----------------------------------------------------------------
 
 def render(name: str) -> str:
@@ -407,13 +443,15 @@ def render(name: str) -> str:
         return render_metrics()
     if name == "policy":
         return render_policy()
+    if name == "cli":
+        return render_cli()
     if name.startswith("openapi-"):
         apps = openapi_apps()
         which = name.removeprefix("openapi-")
         if which not in apps:
             raise KeyError(f"no OpenAPI app {which!r} to document (known: {', '.join(apps)})")
         return render_openapi(apps[which]())
-    raise KeyError(f"no generated reference {name!r} (known: settings, metrics, policy, "
+    raise KeyError(f"no generated reference {name!r} (known: settings, metrics, policy, cli, "
                    f"{', '.join('openapi-' + a for a in openapi_apps())})")
 
 

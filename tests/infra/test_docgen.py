@@ -115,3 +115,27 @@ def test_markers_expand_and_an_unknown_one_is_refused_by_name():
 def test_a_pipe_inside_a_table_cell_is_escaped_outside_code_spans():
     assert docgen._cell("a | b `c | d`") == "a \\| b `c | d`"
     assert docgen.type_name(int | None) == "int | None"
+
+
+def test_every_cli_command_appears_with_its_options():
+    import typer
+
+    from clora.infra.cli import app
+
+    page = docgen.render_cli()
+
+    def leaves(command, path):
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                yield from leaves(sub, [*path, name])
+        else:
+            yield " ".join(path), command
+
+    commands = dict(leaves(typer.main.get_command(app), ["clora"]))
+    assert "clora tenant create" in commands
+    for name, command in commands.items():
+        assert f"### `{name}`" in page
+        section = page.split(f"### `{name}`\n", 1)[1].split("\n### ", 1)[0]
+        for param in command.params:
+            if param.param_type_name == "option" and not param.hidden:
+                assert param.opts[0] in section, (name, param.opts)
