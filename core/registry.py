@@ -362,12 +362,19 @@ end
 """The head of every fenced script: KEYS[1] is the lease key and ARGV[1] the value it must hold
 (`Fence.value`); ARGV[1] "" writes without a fence (KEYS[1] is then never read)."""
 
-_CLAIM_VERSION = _FENCE_CHECK + """
+_IN_SERVICE = """
+if redis.call('SISMEMBER', KEYS[#KEYS], ARGV[#ARGV]) == 0 then return redis.error_reply('RETIRED') end
+"""
+"""Refuses a version for a tenant that is not in `clora:tenants` (being deleted, or gone): the
+last key is that set, the last argument the tenant's id. A step that began before
+`retire_tenant` then publishes nothing, so nothing of its is left after the purge."""
+
+_CLAIM_VERSION = _FENCE_CHECK + _IN_SERVICE + """
 local n = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, tonumber(ARGV[2]))
 redis.call('SET', KEYS[2], n)
 return n
 """
-_RECORD_VERSION = _FENCE_CHECK + """
+_RECORD_VERSION = _FENCE_CHECK + _IN_SERVICE + """
 if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then return redis.error_reply('EXISTS') end
 return 1
 """
@@ -608,20 +615,24 @@ class Registry:
         handed out before (`version_floor`), so two publishers never write the same number, even
         when one of them lost its lease midway (its number stays taken, never reused). Raises
         `FencedOut` when `fence` is no longer current."""
-        return int(self._fenced(_CLAIM_VERSION, fence, [self._tkey(tenant_id) + ":version_floor"],
-                                [int(at_least)], f"claiming {tenant_id}'s version {at_least}"))
+        what = f"claiming {tenant_id}'s version {at_least}"
+        try:
+            return int(self._fenced(_CLAIM_VERSION, fence, [self._tkey(tenant_id) + ":version_floor", PREFIX + "tenants"],
+                                    [int(at_least), tenant_id], what))
+        except _ScriptRefused as e:
+            raise TenantNotFound(f"{what}: tenant {tenant_id!r} is being deleted or gone") from e
 
     def record_adapter_version(self, tenant_id: str, version: AdapterVersion, *, fence: Fence | None = None) -> None:
         """Record a published version (never replacing one). With `fence`: one script that checks
         it first (`FencedOut` when it is no longer current; nothing is written then)."""
-        if fence is None:
-            if not self.r.hsetnx(self._tkey(tenant_id) + ":versions", str(version.version), version.model_dump_json()):
-                raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}")
-            return
         try:
-            self._fenced(_RECORD_VERSION, fence, [self._tkey(tenant_id) + ":versions"],
-                         [str(version.version), version.model_dump_json()], f"recording {tenant_id} v{version.version}")
+            self._fenced(_RECORD_VERSION, fence, [self._tkey(tenant_id) + ":versions", PREFIX + "tenants"],
+                         [str(version.version), version.model_dump_json(), tenant_id],
+                         f"recording {tenant_id} v{version.version}")
         except _ScriptRefused as e:
+            if str(e).startswith("RETIRED"):
+                raise TenantNotFound(f"recording {tenant_id} v{version.version}: tenant {tenant_id!r} is being "
+                                     "deleted or gone") from e
             raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}") from e
 
     def _fenced(self, source: str, fence: Fence | None, keys: list[str], args: list, what: str):
@@ -637,7 +648,7 @@ class Registry:
             if str(e).startswith("FENCED"):
                 raise FencedOut(f"{what}: the lease {fence.key} is no longer held by {fence.holder} with "
                                 f"token {fence.token}") from e
-            if str(e).split(" ")[0] in ("EXISTS", "NOVERSION"):
+            if str(e).split(" ")[0] in ("EXISTS", "NOVERSION", "RETIRED"):
                 raise _ScriptRefused(str(e)) from e
             raise
 

@@ -49,7 +49,7 @@ import torch
 from clora.canary import AdapterCanary
 from clora.fencing import Fence
 from clora.freshness import VersionLineage
-from clora.registry import AdapterVersion
+from clora.registry import AdapterVersion, TenantNotFound
 from clora.storage import AdapterStorage, LocalStorage, StorageIntegrityError, local_versions
 from clora.ingest.schemas import AdapterEvent
 from clora.learner.lora import LoraLayout, LoraModel
@@ -188,7 +188,11 @@ class Publisher:
             raise PublishError(f"publishing {tenant} v{version} to {uri} failed") from e
         if lineage is not None and lineage.events:
             self.registry.record_lineage(tenant, version, lineage, fence=fence)
-        self.registry.record_adapter_version(tenant, meta, fence=fence)
+        try:
+            self.registry.record_adapter_version(tenant, meta, fence=fence)
+        except TenantNotFound:   # deleted while this version was written: leave nothing of it behind
+            self.storage.delete(tenant, [version])
+            raise
         if not make_live:
             return meta
         self.registry.set_live_version(tenant, version, fence=fence)

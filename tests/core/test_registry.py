@@ -216,3 +216,22 @@ def test_a_tenant_is_deleted_in_three_steps_each_safe_to_repeat(registry, redis_
     with pytest.raises(TenantNotFound):
         registry.retire_tenant(tenant_id)
     assert registry.authenticate(other_key).tenant == other.id and registry.list_keys(other.id)
+
+
+def test_a_step_that_began_before_a_tenant_was_retired_publishes_nothing(registry, redis_client, tenant_id):
+    """A learner step running when its tenant is deleted: the version's number and its record
+    are refused once the tenant is retired, so nothing of it outlives the purge."""
+    from clora.registry import AdapterVersion
+
+    registry.create_tenant(tenant_id)
+    n = registry.claim_version(tenant_id, 1)                  # claimed before the delete began
+    registry.retire_tenant(tenant_id)
+    with pytest.raises(TenantNotFound, match="being deleted or gone"):
+        registry.record_adapter_version(tenant_id, AdapterVersion(version=n, path=f"/a/v{n}", base_model="tiny"))
+    with pytest.raises(TenantNotFound, match="being deleted or gone"):
+        registry.claim_version(tenant_id, n + 1)
+    registry.purge_tenant(tenant_id)
+    registry.drop_tenant(tenant_id)
+    with pytest.raises(TenantNotFound):
+        registry.claim_version(tenant_id, 1)
+    assert redis_client.keys(f"clora:tenant:{tenant_id}*") == []
