@@ -110,8 +110,8 @@ def to_chat(body: dict[str, Any], bounds: Bounds) -> Translated:
     else:
         raise Refused("input", "must be a string or a non-empty array of input items")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
-    if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
+    if body.get("tools") is not None and (tools := _tools(body["tools"])):  # none: as if absent (vLLM refuses [])
+        chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     for name, chat_name in CHAT_FIELDS.items():
