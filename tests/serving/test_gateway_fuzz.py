@@ -1,5 +1,5 @@
 """Fuzz the OpenAI-compatible gateway (`/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, with the real CPU vLLM engine behind it): whatever the body, the sampling fields
+`/v1/responses`, `/v1/models`, with the real CPU vLLM engine behind it): whatever the body, the sampling fields
 vLLM alone knows, the model name or the key, it never answers 5xx — not as a status and not as
 an error event inside a stream — and the keep-alive connection stays usable
 (`tests.fuzz.assert_door_holds`; the valid request after each is a 1-token chat completion).
@@ -58,6 +58,30 @@ CHAT_PATHS = ([(), ("model",), ("messages",), ("messages", 0), ("messages", 0, "
                ("messages", 0, "name"), ("messages", 0, "tool_calls"), ("messages", 0, "tool_call_id"),
                ("messages", 1)] + [(f,) for f in SAMPLING_FIELDS + CHAT_ONLY])
 COMPLETION_PATHS = [(), ("model",), ("prompt",)] + [(f,) for f in SAMPLING_FIELDS + COMPLETION_ONLY]
+
+RESPONSES_FIELDS = ["model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature",
+                    "top_p", "max_output_tokens", "metadata", "stream", "stream_options", "user", "store", "background",
+                    "previous_response_id", "conversation", "prompt", "include", "text", "reasoning", "truncation",
+                    "top_logprobs", "service_tier", "max_tool_calls"]
+"""Every field of a Responses request (and a few clora does not take)."""
+
+
+def responses_body(model: str) -> dict:
+    return {"model": model, "instructions": "be brief", "max_output_tokens": 2, "temperature": 0,
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "metadata": {"group_id": "g-1"}, "text": {"format": {"type": "text"}},
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}
+
+
+RESPONSES_PATHS = ([(), ("input", 0), ("input", 0, "role"), ("input", 0, "content"), ("input", 0, "content", 0),
+                    ("input", 0, "content", 0, "type"), ("input", 0, "content", 0, "text"), ("input", 0, "type"),
+                    ("input", 1, "call_id"), ("input", 1, "name"), ("input", 1, "arguments"), ("input", 1, "type"),
+                    ("input", 2, "call_id"), ("input", 2, "output"), ("input", 3), ("tools", 0),
+                    ("tools", 0, "type"), ("tools", 0, "name"), ("tools", 0, "parameters"), ("tools", 0, "strict"),
+                    ("tools", 0, "description"), ("metadata", "group_id"), ("metadata", "episode_id"),
+                    ("text", "format")] + [(f,) for f in RESPONSES_FIELDS])
 
 PROMPTS = st.sampled_from([
     Raw('["a", "b"]'), Raw("[1, 2, 3]"), Raw("[[1, 2], [3]]"), Raw("[]"), Raw('[""]'), Raw("[[]]"), Raw("[-1]"),
@@ -146,12 +170,16 @@ def door(serving, tenants):
 
 
 def assert_stream_holds(r: httpx.Response) -> None:
-    """A streamed answer carries no error event with a 5xx code (vLLM puts the status there)."""
+    """A streamed answer carries no error event with a 5xx code (vLLM puts the status there),
+    nor, on `/v1/responses`, a `response.failed` for a server error."""
     if not r.headers.get("content-type", "").startswith("text/event-stream"):
         return
     for line in r.text.splitlines():
         if line.startswith("data: ") and line[6:].strip() != "[DONE]":
-            error = json.loads(line[6:]).get("error")
+            event = json.loads(line[6:])
+            if event.get("type") == "response.failed":
+                assert event["response"]["error"]["code"] != "server_error", f"the stream failed: {line[:1500]}"
+            error = event.get("error")
             code = error.get("code") if isinstance(error, dict) else None
             assert error is None or not (isinstance(code, int) and code >= 500 or error.get("type") ==
                                          "server_error"), f"the stream carried a server error: {line[:1500]}"
@@ -196,6 +224,23 @@ def test_odd_values_in_any_field_never_5xx(door, path):
     run()
 
 
+def test_odd_values_in_any_responses_field_never_5xx(door):
+    """`/v1/responses`: any odd JSON value in any field (or item, part or tool), whole or
+    streamed, is answered; every 4xx in OpenAI's error shape."""
+    client, valid, log, tenant = door
+
+    @fuzz_settings(80)
+    @given(change=mutations(RESPONSES_PATHS, odd_values() | SAMPLING_VALUES), stream=st.booleans())
+    def run(change, stream):
+        body = change.apply({**responses_body(tenant), "stream": stream})
+        r = send(client, valid, log, "/v1/responses", body)
+        if r.status_code >= 400:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), r.text
+
+    run()
+
+
 def test_prompt_lists_never_5xx(door):
     client, valid, log, tenant = door
 
@@ -215,7 +260,7 @@ def test_named_odd_requests_never_5xx(door, name):
     send(client, valid, log, path, {**body, **NAMED_CASES[name]})
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_odd_bodies_never_5xx(door, path):
     client, valid, log, _ = door
 
