@@ -4,9 +4,14 @@ marked code blocks run:
     <!-- runs -->                      a Python block that needs no platform: executed
     <!-- schema: module:Model -->      a JSON block: validates against that pydantic model
     <!-- error-shape: clora|openai --> a JSON block: has exactly the keys that shape's errors have
+    <!-- runs-on-platform[: start] --> a Python or bash block run against the real platform, in
+                                       tests/e2e/test_docs_examples.py (which says what `start` asks)
+    <!-- not-run: reason -->           a block no test machine can run (docker, a GPU, minutes)
 
-(docs/events.md's examples are checked by tests/ingest/test_schemas.py and
-tests/core/test_reward_spec.py; the README's quickstart runs in tests/e2e/test_quickstart.py.)
+Every fenced python, bash and json block in docs/ carries exactly one of them, so a new block
+is checked or says why not. (docs/events.md's examples are also checked by
+tests/ingest/test_schemas.py and tests/core/test_reward_spec.py; the README's quickstart runs in
+tests/e2e/test_quickstart.py.)
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from clora.infra import docgen
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+MARKERS = ("runs", "runs-on-platform", "schema", "error-shape", "not-run")
+CHECKED_LANGUAGES = {"python", "py", "bash", "sh", "shell", "console", "json"}
 MKDOCS = [sys.executable, "-m", "mkdocs", "build", "--strict"]  # not --quiet: it hides the warnings strict counts
 
 
@@ -42,7 +49,7 @@ def marked_blocks(marker: str) -> list[tuple[str, str, str]]:
     """(page, marker argument, code) of every fenced block right under `<!-- MARKER[: arg] -->`."""
     found = []
     for page in sorted(DOCS.rglob("*.md")):
-        for arg, code in re.findall(rf"<!-- {marker}:?\s*([^>]*?)\s*-->\n```\w*\n(.*?)```", page.read_text(),
+        for arg, code in re.findall(rf"<!-- {marker}(?::\s*([^>]*?))?\s*-->\n```\w*\n(.*?)```", page.read_text(),
                                     flags=re.S):
             found.append((str(page.relative_to(ROOT)), arg, code))
     return found
@@ -94,6 +101,39 @@ def test_a_runnable_python_block_runs(page, _, code, monkeypatch):
     for var in [v for v in __import__("os").environ if v.startswith("CLORA_")]:
         monkeypatch.delenv(var)
     exec(compile(code, page, "exec"), {"__name__": "__docs__"})
+
+
+def fenced_blocks(text: str) -> list[tuple[int, str, list[str]]]:
+    """(line, language, the markers on the comment lines right above) of every fenced block."""
+    lines, found, i = text.split("\n"), [], 0
+    while i < len(lines):
+        opening = re.match(r"\s*(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        if not opening:
+            i += 1
+            continue
+        above, j = [], i - 1
+        while j >= 0 and lines[j].strip().startswith("<!--"):
+            above += re.findall(r"<!-- ([\w-]+)", lines[j])
+            j -= 1
+        found.append((i + 1, opening.group(2), above))
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(opening.group(1)):
+            i += 1
+        i += 1
+    return found
+
+
+def test_every_python_bash_and_json_block_in_the_docs_carries_exactly_one_marker():
+    unmarked = [f"{page.relative_to(ROOT)}:{line} ({lang}): {markers or 'no marker'}"
+                for page in sorted(DOCS.rglob("*.md"))
+                for line, lang, markers in fenced_blocks(page.read_text())
+                if lang in CHECKED_LANGUAGES and (len(markers) != 1 or markers[0] not in MARKERS)]
+    assert not unmarked, "mark each block with one of " + ", ".join(MARKERS) + ":\n" + "\n".join(unmarked)
+
+
+def test_a_block_without_a_marker_or_with_two_is_found():
+    text = "```python\nx = 1\n```\n\n<!-- runs -->\n<!-- not-run: no -->\n```bash\nls\n```\n\n<!-- runs -->\n```json\n{}\n```\n"
+    assert fenced_blocks(text) == [(1, "python", []), (7, "bash", ["not-run", "runs"]), (12, "json", ["runs"])]
 
 
 def test_there_are_runnable_and_schema_blocks_to_check():
