@@ -6,7 +6,8 @@ and URLs. An adapter version is served under one name, `{tenant}@v{version}` (`a
 `served_name` builds it and `parse_served_name` reads it back, and nothing else spells it.
 A response with n > 1 choices is one response `id` whose choices are recorded, and take
 feedback, as `{id}-0` ... `{id}-{n-1}` (`choice_ids`). The gateway names its responses as
-OpenAI does, `chatcmpl-{32 hex digits}` or `cmpl-{32 hex digits}` (`new_response_id`), and
+OpenAI does, `chatcmpl-{32 hex digits}`, `cmpl-{32 hex digits}` or `resp_{32 hex digits}`
+(`new_response_id`), and
 `GATEWAY_INTERACTION_ID_RE` recognises them and their choices: feedback on an id of that shape
 that the gateway never served is refused, while other ids (clients that record interactions
 themselves) wait for theirs.
@@ -47,15 +48,20 @@ def new_id(prefix: str = "ev") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-GATEWAY_INTERACTION_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}(?:-(?:0|[1-9][0-9]{0,8}))?")
+RESPONSE_ID_PREFIXES: dict[str, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}
+"""The prefix of the gateway's response ids, by route kind: chat completions, text completions,
+the Responses API."""
+
+GATEWAY_INTERACTION_ID_RE = re.compile(r"(?:chatcmpl-|cmpl-|resp_)[0-9a-f]{32}(?:-(?:0|[1-9][0-9]{0,8}))?")
 """An id the gateway minted (`new_response_id`), or one choice of it (`choice_ids`):
-`chatcmpl-0123...ef`, `cmpl-0123...ef-2` (`fullmatch`)."""
+`chatcmpl-0123...ef`, `cmpl-0123...ef-2`, `resp_0123...ef` (`fullmatch`)."""
 
 
-def new_response_id(kind: Literal["chat", "completion"]) -> str:
+def new_response_id(kind: Literal["chat", "completion", "responses"]) -> str:
     """A fresh id for a response the gateway serves, shaped as OpenAI's: `chatcmpl-{32 hex}` for a
-    chat completion, `cmpl-{32 hex}` for a text completion."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    chat completion, `cmpl-{32 hex}` for a text completion, `resp_{32 hex}` for a Responses API
+    response."""
+    return RESPONSE_ID_PREFIXES[kind] + uuid.uuid4().hex
 
 
 def is_gateway_interaction_id(interaction_id: str) -> bool:

@@ -35,7 +35,6 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -47,7 +46,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clora.registry import ApiKeyPrincipal, Registry, RegistryError
-from clora.ids import SERVED_NAME_RE, Id, parse_served_name, served_name
+from clora.ids import SERVED_NAME_RE, Id, new_response_id, parse_served_name, served_name
 from clora.web import HttpError, api_key, bearer_token, install_error_handlers, read_body, too_deep
 from clora.ingest.schemas import Message
 from clora.serving import errors, responses, tinker_sampling
@@ -146,8 +145,8 @@ class PassThrough:
     kind: Kind
 
     @property
-    def id_prefix(self) -> str:
-        return "chatcmpl-" if self.kind == "chat" else "cmpl-"
+    def id_kind(self) -> str:
+        return self.kind
 
     @property
     def metric_kind(self) -> str:
@@ -177,7 +176,7 @@ class ResponsesWire:
     """`/v1/responses`: a `response` object, or the Responses API's events (`clora.serving.responses`)."""
 
     translated: Translated
-    id_prefix: str = responses.ID_PREFIX
+    id_kind: str = responses.KIND
     metric_kind: str = responses.KIND
 
     def whole(self, rid: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -508,7 +507,7 @@ class Gateway:
         try:
             held = await self._hold(stack, principal.tenant, ref, admitted.sequences, admitted.max_tokens, request)
             lease = held.lease
-            rid = wire.id_prefix + uuid.uuid4().hex
+            rid = new_response_id(wire.id_kind)
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
                            client_model=ref.name if ref else self.engine.settings.base_name,
                            messages=admitted.messages)

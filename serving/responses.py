@@ -39,11 +39,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from clora.ids import RESPONSE_ID_PREFIXES
 from clora.serving.request_fields import Bounds, Refused, check_responses_fields
 
 KIND = "responses"
 """The route's label in the gateway's metrics."""
-ID_PREFIX = "resp_"
+ID_PREFIX = RESPONSE_ID_PREFIXES["responses"]
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 """Input message roles and the chat role each is served as (`developer` is OpenAI's newer name

@@ -412,11 +412,12 @@ def test_feedback_on_a_gateway_shaped_id_the_gateway_never_served_is_404_naming_
     from clora.ids import new_response_id
 
     tid, key = tenant
-    never = new_response_id("chat")
-    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": never, "score": 1})
-    assert r.status_code == 404, r.text
-    assert r.json()["error"]["code"] == "interaction_not_found" and r.json()["error"]["field"] == "interaction_id"
-    assert never in r.json()["error"]["message"]
+    for kind in ("chat", "completion", "responses"):               # every route's ids
+        never = new_response_id(kind)
+        r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": never, "score": 1})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "interaction_not_found" and r.json()["error"]["field"] == "interaction_id"
+        assert never in r.json()["error"]["message"]
     served = new_response_id("completion")
     registry.claim_response(served, tid, 2)                       # served with n=2: choices -0 and -1
     r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{served}-2", "score": 1})
