@@ -132,7 +132,9 @@ def test_every_python_bash_and_json_block_in_the_docs_carries_exactly_one_marker
 
 
 def test_a_block_without_a_marker_or_with_two_is_found():
-    text = "```python\nx = 1\n```\n\n<!-- runs -->\n<!-- not-run: no -->\n```bash\nls\n```\n\n<!-- runs -->\n```json\n{}\n```\n"
+    text = ("```python\nx = 1\n```\n\n"
+            "<!-- runs -->\n<!-- not-run: no -->\n```bash\nls\n```\n\n"
+            "<!-- runs -->\n```json\n{}\n```\n")
     assert fenced_blocks(text) == [(1, "python", []), (7, "bash", ["not-run", "runs"]), (12, "json", ["runs"])]
 
 
