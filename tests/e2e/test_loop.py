@@ -79,9 +79,14 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
     # ... and the learner's own model with that adapter picks the same greedy tokens
     assert _learner_greedy(platform["model"], folder, ask, len(token_ids)) == token_ids
 
-    # lineage: the version knows the feedback window it was trained on
+    # lineage: the version knows the feedback window it was trained on: within this test's
+    # corrections. (Its examples need not fill a batch: under the default `auto` policy a step
+    # takes the oldest examples of every kind up to the batch size, and a correction's SFT example
+    # and its preference pair may fall either side of the cut.)
     meta = next(v for v in versions()["versions"] if v["version"] == live)
-    assert meta["feedback_window"] and meta["examples_seen"] >= 4
+    start, end = meta["feedback_window"]
+    assert first_feedback - 1 <= start <= end <= time.time(), (meta["feedback_window"], first_feedback)
+    assert 1 <= meta["examples_seen"] <= 2 * len(prompts)          # an SFT example and a pair per correction
 
     # freshness: the pinned completion above was the live version's first; its gateway measured
     # every correction first trained in it, from the correction's 202 to that completion
