@@ -20,7 +20,8 @@ page's own. What changes between the page and the run is what tests/e2e/docs_blo
       <!-- runs-on-platform: two-versions -->    `acme` started from an imported adapter (v1) and
                                                  learned v2 from corrections, v2 live
 
-A block's failure names its page and line. Blocks that cannot run on a test machine say why
+After the page's last block the test deletes the page's tenants (`clora tenant delete`), so
+the platform the later tests share is left as it was. A block's failure names its page and line. Blocks that cannot run on a test machine say why
 with `<!-- not-run: reason -->`; tests/test_docs.py checks that every fenced python, bash and
 json block in docs/ carries exactly one marker.
 """
@@ -77,6 +78,7 @@ class PageRun:
         if block.arg == "creates-tenant":
             if "./my-lora" in block.code and not (self.workdir / "my-lora").exists():
                 self.lora_folder(self.workdir / "my-lora")
+            self.tenants.setdefault(tenant, {})
             return {}
         if tenant not in self.tenants:
             self.tenants[tenant] = self.create(tenant, block.arg)
@@ -112,16 +114,18 @@ class PageRun:
         return folder
 
     def learn_a_second_version(self, tenant: str, key: str) -> None:
-        """v1 is the import; corrections on served answers train v2, which goes live."""
+        """v1 is the import; corrections on served answers train v2, which goes live. Eight
+        corrections for a step of four: some are held out for the gate, which is told to take
+        any v2 (`eval_tolerance` 1): this start wants a second version, not a better one."""
         import httpx
         from clora_client import FeedbackClient
 
         self.wait_for(lambda: self.cli("tenant", "versions", tenant)["live"] == 1, 120, interval=0.5,
                       what=f"{tenant}'s imported adapter to be published as v1")
         self.cli("policy", "set", tenant, "algorithm=sft", "batch_size=4", "min_new_examples=4",
-                 "learning_rate=0.02")
+                 "learning_rate=0.02", "eval_tolerance=1")
         with FeedbackClient(self.platform["webhook"], key) as feedback:
-            for colour in ["red", "green", "blue", "teal"]:
+            for colour in ["red", "green", "blue", "teal", "amber", "olive", "navy", "coral"]:
                 r = httpx.post(f"{self.platform['gateway']}/v1/chat/completions", timeout=120,
                                headers={"Authorization": f"Bearer {key}"},
                                json={"model": tenant, "max_tokens": 8, "messages": [
@@ -130,6 +134,11 @@ class PageRun:
                 feedback.correction(r.json()["id"], f"Hello! {colour.title()} it is.")
         self.wait_for(lambda: self.cli("tenant", "versions", tenant)["live"] == 2, 300, interval=0.5,
                       what=f"{tenant} to learn and publish v2 from its corrections")
+
+    def delete_tenants(self) -> None:
+        for tenant in self.tenants:
+            assert self.cli("tenant", "delete", tenant, "--yes")
+            assert tenant not in {t["id"] for t in self.cli("tenant", "list")["tenants"]}, f"{tenant} outlived its delete"
 
     def run(self, block: Block) -> subprocess.CompletedProcess:
         env = {**self.env, **self.start(block)}
@@ -145,3 +154,4 @@ def test_a_pages_platform_blocks_run_as_written(page, platform, tmp_path, wait_f
         out = run.run(block)
         assert out.returncode == 0, (f"{block.name} exited {out.returncode}\n--- stdout\n{out.stdout[-3000:]}"
                                      f"\n--- stderr\n{out.stderr[-3000:]}")
+    run.delete_tenants()
