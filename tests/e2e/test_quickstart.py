@@ -5,6 +5,7 @@ What changes between the README and the test is only what the test platform chan
 platform's ports (free ports instead of 8000 and 8400) and `python3 dev.py clora`, which runs
 the CLI in the project's environment (here: this interpreter's `-m clora.infra.cli`, with the
 platform's settings in the environment): tests/e2e/docs_blocks.py, shared with the docs' examples.
+And the tenant is `readme`, not `acme`, because the end-to-end tests share one platform.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .docs_blocks import platform_env
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+TENANT = "readme"
 
 
 def quickstart_blocks(text: str) -> dict[str, tuple[str, str]]:
@@ -44,7 +46,8 @@ def test_the_readme_quickstart_runs_as_written_and_a_version_appears(platform, w
     env = platform_env(platform)
 
     def as_on_this_platform(code: str) -> str:
-        return on_platform(code, platform)
+        # the e2e tests share one platform, where tests/e2e/test_loop.py already made `acme`
+        return re.sub(r"\bacme\b", TENANT, on_platform(code, platform))
 
     # create the tenant: the block exports KEY; the test reads it back from the same shell
     _, tenant = blocks["tenant"]

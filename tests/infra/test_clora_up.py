@@ -83,6 +83,6 @@ def _versions_through_the_cli(clora: list[str], env: dict, redis_port: int) -> N
     assert cli("rollback", "acme", "--to", "1").stdout.strip() == "acme: v1 is live"
     assert cli("promote", "acme", "3").stdout.strip() == "acme: v3 is live" and registry.live_version("acme") == 3
     missing = cli("promote", "acme", "9")
-    assert missing.returncode == 2 and "no adapter version 9" in missing.stdout
+    assert missing.returncode == 3 and "no adapter version 9" in missing.stderr      # 3: not found
     unknown = cli("versions", "nobody")
-    assert unknown.returncode == 2 and "nobody" in unknown.stdout
+    assert unknown.returncode == 3 and "nobody" in unknown.stderr
