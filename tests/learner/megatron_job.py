@@ -101,6 +101,7 @@ def main(job_path: str, out_path: str) -> None:
 
     job = torch.load(job_path, weights_only=False)
     folder = Path(out_path).parent
+    mt.die_with_launcher()   # as `clora learner` does: no rank outlives torchrun
     mt.init_parallel(job["tp"], job.get("dp", 1), timeout_s=job.get("timeout_s", 120))
     model = mt.MegatronLoraModel(job["model_dir"], LoraSpec(**job["spec"]))
     model.exit_on_failure = True   # as `clora learner` runs it

@@ -64,6 +64,9 @@ def _assert_all_gone(proc: subprocess.Popen, ranks: list[psutil.Process], since:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            for rank in ranks:                         # torchrun runs each rank in a session of its own
+                if rank.is_running():
+                    rank.kill()
     took = time.time() - since
     text = log.read_text(errors="replace")
     _, alive = psutil.wait_procs(ranks, timeout=5)
