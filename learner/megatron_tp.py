@@ -553,17 +553,24 @@ def _pad(t: torch.Tensor, axis: int, n: int) -> torch.Tensor:
 class _GatherVocab(torch.autograd.Function):
     """Rank 0 gets the whole (B, T, V) logits from each rank's (B_d, T, V/T) shard (its replica's
     rows, its vocabulary columns); in the backward it sends every rank the gradient of its shard,
-    under the forward's id."""
+    under the forward's id, and runs its own shard's backward there too (a nested backward, as
+    reentrant checkpointing does), so that an error in it is a broken group (`_collective`), not
+    one tenant's error while the other ranks wait in that backward's all-reduces. The shard comes
+    in a list, out of the outer graph's sight; `anchor` (a 0-d leaf that requires grad exactly
+    when the shard does) is what connects the output to autograd."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, model: "MegatronLoraModel", fid: int, split: DataSplit) -> torch.Tensor:
-        ctx.model, ctx.fid, ctx.split = model, fid, split
-        return model._gather(shard, split)
+    def forward(ctx, anchor: torch.Tensor, model: "MegatronLoraModel", fid: int, split: DataSplit,
+                holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.model, ctx.fid, ctx.split, ctx.holder = model, fid, split, holder
+        return model._gather(holder[0].detach(), split)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with ctx.model._collective("backward"):
-            return ctx.model._scatter_grad(ctx.fid, grad, ctx.split), None, None, None
+            mine = ctx.model._scatter_grad(ctx.fid, grad, ctx.split)
+            torch.autograd.backward(ctx.holder.pop(), mine)
+        return None, None, None, None, None
 
 
 class MegatronLoraModel(nn.Module):
@@ -675,7 +682,8 @@ class MegatronLoraModel(nn.Module):
             split = DataSplit.of(input_ids.shape[0], self.dp,
                                  positions.to(self.device) if positions is not None else None)
             shard = self._run_rows(split, input_ids, attention_mask, positions)
-            return _GatherVocab.apply(shard, self, fid, split)
+            anchor = torch.zeros((), device=self.device, requires_grad=shard.requires_grad)
+            return _GatherVocab.apply(anchor, self, fid, split, [shard])
 
     def reduce_grads(self, grad: torch.Tensor) -> None:
         """After a backward (rank 0, `DeviceSlot.fold_grads`): add the other ranks' shares of the
@@ -755,7 +763,8 @@ class MegatronLoraModel(nn.Module):
         (1, N_d, V/T) of `positions`; an empty one where the replica has no rows."""
         rows = split.rows[self.dp_rank]
         if rows.stop == rows.start:
-            shape = (0, ids.shape[1], self.vocab_size // self.tp) if split.axis == 0 else (1, 0, self.vocab_size // self.tp)
+            width = self.vocab_size // self.tp
+            shape = (0, ids.shape[1], width) if split.axis == 0 else (1, 0, width)
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.rows.total, self.rows.start = ids.shape[0], rows.start
         try:

@@ -8,7 +8,7 @@ JOB is a torch.save'd dict: `model_dir`, `tp`, `dp`, `spec` (LoraSpec kwargs) an
 inputs (see `run`). The followers run `MegatronLoraModel.follow` until rank 0 is done.
 
 Fault drills (the fail-fast tests): `fail_forward` = n makes rank 0's own part of its n-th
-forward raise; `loop` = True repeats the steps until the group breaks. Every rank writes its pid
+forward raise, `fail_backward` = n its part of that forward's backward; `loop` = True repeats the steps until the group breaks. Every rank writes its pid
 to `rank<r>.pid`, and rank 0 writes `running` once it has taken its steps and `failing` (the
 time) just before the drill's failure.
 """
@@ -109,8 +109,8 @@ def main(job_path: str, out_path: str) -> None:
     if model.rank != 0:
         model.follow()
         return
-    if job.get("fail_forward"):
-        _fail_at(model, job["fail_forward"], folder)
+    if job.get("fail_forward") or job.get("fail_backward"):
+        _fail_at(model, job.get("fail_forward"), job.get("fail_backward"), folder)
     try:
         tok = AutoTokenizer.from_pretrained(str(job["model_dir"]))
         result = run(model, tok, job, folder)
@@ -122,19 +122,26 @@ def main(job_path: str, out_path: str) -> None:
         model.stop_followers()
 
 
-def _fail_at(model, n: int, folder: Path) -> None:
-    """Rank 0's own part of its `n`-th forward raises (after the header and inputs went out: the
-    followers are inside that forward's collectives)."""
+def _fail_at(model, forward: int | None, backward: int | None, folder: Path) -> None:
+    """Rank 0's own part of its `forward`-th forward raises (after the header and inputs went out:
+    the followers are inside that forward's collectives), or of the backward of its `backward`-th
+    forward (the followers are inside that backward's)."""
     import time
 
     own, calls = model._shard_logits, [0]
 
+    def fail(what: str) -> None:
+        (folder / "failing").write_text(repr(time.time()))
+        raise RuntimeError(f"drill: rank 0 fails in {what}")
+
     def shard_logits(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == n:
-            (folder / "failing").write_text(repr(time.time()))
-            raise RuntimeError(f"drill: rank 0 fails in forward {n}")
-        return own(*args, **kwargs)
+        if calls[0] == forward:
+            fail(f"forward {forward}")
+        shard = own(*args, **kwargs)
+        if calls[0] == backward and shard.requires_grad:
+            shard.register_hook(lambda grad: fail(f"the backward of forward {backward}"))
+        return shard
 
     model._shard_logits = shard_logits
 

@@ -1,6 +1,6 @@
 """A failure on any rank of the megatron backend stops the whole group in seconds, not after the
-group's collective timeout (300 s here): rank 0 raising inside a forward, while the other ranks
-are inside that forward's collectives, and a follower killed with -9 while the group trains.
+group's collective timeout (300 s here): rank 0 raising inside a forward or a backward, while the
+other ranks are inside its collectives, and a follower killed with -9 while the group trains.
 Every rank exits, non-zero, well inside `BOUND_S`; the test waits on the processes themselves.
 
 What happens next (the learner restarted from its checkpoints, no example trained twice) is
@@ -88,6 +88,18 @@ def test_rank_0_raising_inside_a_forward_stops_every_rank_in_seconds(tiny_model_
     text = log.read_text(errors="replace")
     assert "drill: rank 0 fails in forward 3" in text and "broke during the forward on rank 0" in text
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_rank_0_raising_inside_a_backward_stops_every_rank_in_seconds(tiny_model_dir, tmp_path, wait_for):
+    """At T=2 the follower is inside the backward's all-reduces when rank 0's part raises."""
+    proc, log = _start(_job(tiny_model_dir, fail_backward=3), 2, 1, tmp_path)
+    ranks = _ranks(tmp_path, 2, wait_for)
+    wait_for(lambda: (tmp_path / "failing").exists() or proc.poll() is not None, timeout=180,
+             what="rank 0's drill failure")
+    _assert_all_gone(proc, ranks, float((tmp_path / "failing").read_text()), log)
+    text = log.read_text(errors="replace")
+    assert "drill: rank 0 fails in the backward of forward 3" in text
+    assert "broke during the backward on rank 0" in text
 
 
 def test_a_follower_killed_mid_training_stops_every_rank_in_seconds(tiny_model_dir, tmp_path, wait_for):

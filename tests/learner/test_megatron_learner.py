@@ -1,6 +1,7 @@
 """`clora learner` on the megatron backend: torchrun runs it as two ranks (two tensor-parallel
-ranks, or two data-parallel replicas) against the suite's real Kafka-protocol broker and Redis; it trains and publishes a tenant's versions.
-Then one rank is killed with -9. The group must not stall: torchrun stops it and exits. Started
+ranks, or two data-parallel replicas) against the suite's real Kafka-protocol broker and Redis;
+it trains and publishes a tenant's versions. Then one rank is killed with -9. The group must not
+stall: it stops within 30 s (its timeout is 300 s), and torchrun exits. Started
 again, the learner resumes from its checkpoints: no version number is published twice and every
 example is trained on exactly once along the weights that live on. Killing the launcher itself
 leaves no rank behind."""
