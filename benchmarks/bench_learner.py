@@ -2,12 +2,12 @@
 without prefetch, for 1, 2, 4 and 8 tenants interleaved round-robin.
 
     python benchmarks/bench_learner.py [--model smollm2|tiny|<hf dir>] [--steps 8] [--batch 2] [--device cuda]
-    python benchmarks/bench_learner.py --backend megatron --tp 2 [...]
+    python benchmarks/bench_learner.py --backend megatron --tp 2 [--dp 2] [...]
 
-With `--backend megatron` the script runs itself under torchrun as T tensor-parallel ranks
-(`clora.learner.megatron_tp`); rank 0 measures the default backend first, as the baseline, then
-the megatron backend on the same data with the same total CPU threads (each rank gets
-threads / T), and prints both with the ratio of their step times.
+With `--backend megatron` the script runs itself under torchrun as T x D ranks: D data-parallel
+replicas of T tensor-parallel ranks (`clora.learner.megatron_tp`); rank 0 measures the default
+backend first, as the baseline, then the megatron backend on the same data with the same total
+CPU threads (each rank gets threads / (T x D)), and prints both with the ratio of their step times.
 
 Prints a table and writes bench-results/learner.json. Ratios are against the no-prefetch
 baseline measured in the same run (this machine is noisy). "exposed swap" is the wall time
@@ -76,7 +76,7 @@ def run(model_dir: Path, *, prefetch: bool, tenants: int, steps: int, batch: int
     _sync(device)
     wall = time.perf_counter() - t0
     store.close()
-    return {"backend": "default" if megatron is None else f"megatron T={megatron.world}",
+    return {"backend": "default" if megatron is None else f"megatron T={megatron.tp} D={megatron.dp}",
             "prefetch": prefetch, "tenants": tenants, "steps": steps, "step_s": wall / steps,
             "median_step_s": statistics.median(times),
             "tokens_per_s": tokens / wall, "swaps": store.stats.swaps, "exposed_swap_s": store.stats.exposed_s,
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument("--backend", default="default", choices=["default", "megatron"])
     ap.add_argument("--tp", type=int, default=2, help="megatron: tensor parallel size (processes)")
+    ap.add_argument("--dp", type=int, default=1, help="megatron: data parallel size (replicas of the T ranks)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="megatron: compute dtype")
     ap.add_argument("--out", default=None, help="default: bench-results/learner.json (learner-megatron.json)")
     args = ap.parse_args()
@@ -168,13 +169,14 @@ def megatron_main(args, model_dir: Path, device: torch.device) -> None:
     import os
     import sys
 
-    if "LOCAL_RANK" not in os.environ:   # become torchrun over T copies of this script
+    ranks = args.tp * args.dp
+    if "LOCAL_RANK" not in os.environ:   # become torchrun over T x D copies of this script
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={args.tp}", __file__, *sys.argv[1:]])
+                                  f"--nproc-per-node={ranks}", __file__, *sys.argv[1:]])
     from clora.learner import megatron_tp
 
-    megatron_tp.init_parallel(args.tp)
-    torch.set_num_threads(max(1, args.threads // args.tp))
+    megatron_tp.init_parallel(args.tp, args.dp)
+    torch.set_num_threads(max(1, args.threads // ranks))
     dtype = getattr(torch, args.dtype)
     lm = megatron_tp.MegatronLoraModel(model_dir, LoraSpec(rank=args.rank, alpha=2 * args.rank), dtype=dtype)
     if lm.rank != 0:
@@ -189,7 +191,7 @@ def megatron_main(args, model_dir: Path, device: torch.device) -> None:
             torch.set_num_threads(args.threads)
             run(model_dir, tenants=2, steps=2, **common)  # warm-up
             rows.append(run(model_dir, tenants=n, steps=max(args.steps, n), **common))
-            torch.set_num_threads(max(1, args.threads // args.tp))
+            torch.set_num_threads(max(1, args.threads // ranks))
             rows.append(run(model_dir, tenants=n, steps=max(args.steps, n), megatron=lm, **common))
     finally:
         lm.stop_followers()
@@ -197,13 +199,14 @@ def megatron_main(args, model_dir: Path, device: torch.device) -> None:
     for r in rows:
         r["step_ratio_vs_default"] = r["step_s"] / base[r["tenants"]]["step_s"]
     print(f"model {model_dir}  device {device}  threads {args.threads} in all  LoRA params {rows[0]['lora_params']:,}")
-    print(f"{'N':>2} {'backend':>14} {'step s':>8} {'median s':>8} {'tok/s':>8} {'vs default':>10}")
+    print(f"{'N':>2} {'backend':>18} {'step s':>8} {'median s':>8} {'tok/s':>8} {'vs default':>10}")
     for r in rows:
-        print(f"{r['tenants']:>2} {r['backend']:>14} {r['step_s']:8.3f} {r['median_step_s']:8.3f} "
+        print(f"{r['tenants']:>2} {r['backend']:>18} {r['step_s']:8.3f} {r['median_step_s']:8.3f} "
               f"{r['tokens_per_s']:8.1f} {r['step_ratio_vs_default']:10.2f}")
     out = Path(args.out or "bench-results/learner-megatron.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(model_dir), "threads": args.threads, "tp": args.tp, "device": str(device),
+    out.write_text(json.dumps({"model": str(model_dir), "threads": args.threads, "tp": args.tp, "dp": args.dp,
+                               "device": str(device),
                                "dtype": args.dtype, "backend": dist_backend(), "rows": rows}, indent=2))
     print(f"wrote {out}")
 

@@ -133,14 +133,15 @@ def learner(log_level: LogLevel = "INFO"):
     bootstrap, redis_url = _urls()
     _trainapi_defaults()
     settings = LearnerSettings()
-    if settings.backend == "megatron" and settings.tensor_parallel > 1 and "LOCAL_RANK" not in os.environ:
-        _exec_torchrun(settings.tensor_parallel, ["learner", "--log-level", log_level])
+    processes = settings.tensor_parallel * settings.data_parallel
+    if settings.backend == "megatron" and processes > 1 and "LOCAL_RANK" not in os.environ:
+        _exec_torchrun(processes, ["learner", "--log-level", log_level])
     main(settings, bootstrap, redis_url, external=make_tinker_work)
 
 
 def _exec_torchrun(processes: int, args: list[str]) -> None:
     """Become torch's launcher (`torchrun`) running `clora <args>` in `processes` processes on this
-    host: the megatron backend's tensor-parallel ranks. The pid stays the same, so whoever watches
+    host: the megatron backend's ranks (tensor parallel x data parallel). The pid stays the same, so whoever watches
     this process watches the group: torchrun stops every rank when one fails, and exits."""
     _learner_base_model()   # converted once here, not by every rank at once
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))

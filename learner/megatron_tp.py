@@ -1,9 +1,12 @@
 """The `megatron` learner backend: the frozen base as a megatron-core `GPTModel` split over T
-tensor-parallel ranks, with each tenant's LoRA on its parallel linear layers.
+tensor-parallel ranks, in D data-parallel replicas, with each tenant's LoRA on its parallel
+linear layers.
 
 Owns:
-- `init_parallel(T)`: the process group (gloo on CPU, NCCL on GPU) and megatron's model-parallel
-  state, with the CPU fixes megatron-core 0.16.1 needs (see `_cpu_fixes`).
+- `init_parallel(T, D)`: the process group of T x D ranks (gloo on CPU, NCCL on GPU) and
+  megatron's model-parallel state (D tensor-parallel groups of T consecutive ranks), with the CPU
+  fixes megatron-core 0.16.1 needs (see `_cpu_fixes`).
+- `DataSplit`: how a forward's batch rows are split over the replicas and put back together.
 - `build_gpt(hf_dir)`: a Llama-family Hugging Face checkpoint (SmolLM2 by default) as a
   `GPTModel` with the local (non-Transformer-Engine) layer spec, each rank loading only its
   shards from the safetensors files.
@@ -36,6 +39,21 @@ the backward, rank 0 sends each rank the gradient of its logits shard, and every
 same backward through its shard (collectives inside match because the graphs are the same and
 autograd runs them in the same order). One process's graphs never interleave: the learner
 calls the model from one thread.
+
+**Data parallel.** With D > 1 every rank still receives the whole batch, but replica d (the
+tensor-parallel group of ranks d*T .. d*T+T-1) runs only its rows (`row_slices`: uneven splits
+and empty slices are fine), drawing LoRA dropout masks for the whole batch and keeping its rows,
+so the masks are the default backend's. Rank 0 gathers every replica's shards into the whole
+batch's logits and computes the loss over all of it, as before; each replica runs the backward of
+its rows, and `reduce_grads` sums the gradients over every rank (the whole parts once per
+replica), so rank 0 holds the whole batch's gradient. The adapter state stays on rank 0.
+
+**Failures.** Anything that goes wrong between a header and the end of its collectives (a
+collective that fails, or a rank's own part that raises) leaves the other ranks waiting in a
+collective this rank will never join: `_collective` treats it as a broken group, and the learner
+process exits at once (`EXIT_GROUP_BROKEN`). Its closed connections fail the others' pending
+collectives within moments; they exit too, and torchrun, seeing a rank exit non-zero, stops
+whatever is left. Nobody waits out `parallel_timeout_s`.
 """
 
 from __future__ import annotations
@@ -82,9 +100,10 @@ and whoever runs the learner starts it again, from its checkpoints)."""
 # --- process group and megatron's parallel state ----------------------------------------------
 
 
-def init_parallel(tp: int, *, timeout_s: float = 600.0) -> None:
-    """Join the process group torchrun set up (or a single-process one) and split it into tensor-
-    parallel groups of `tp`. Every rank calls this before building the model."""
+def init_parallel(tp: int, dp: int = 1, *, timeout_s: float = 600.0) -> None:
+    """Join the process group torchrun set up (or a single-process one) of `tp` x `dp` ranks and
+    split it into `dp` tensor-parallel groups of `tp` consecutive ranks (megatron's order: world
+    rank = dp_rank * tp + tp_rank). Every rank calls this before building the model."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -98,9 +117,10 @@ def init_parallel(tp: int, *, timeout_s: float = 600.0) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    if world != tp:
-        raise MegatronBackendError(f"tensor parallel size {tp} needs {tp} processes, this group has {world} "
-                                   "(data parallel is not supported yet)")
+    if world != tp * dp:
+        raise MegatronBackendError(
+            f"CLORA_LEARNER_TENSOR_PARALLEL ({tp}) x CLORA_LEARNER_DATA_PARALLEL ({dp}) = {tp * dp} processes, "
+            f"but this group has {world}: launch tensor_parallel x data_parallel processes")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
@@ -109,6 +129,10 @@ def init_parallel(tp: int, *, timeout_s: float = 600.0) -> None:
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if not torch.cuda.is_available():
         _cpu_fixes()
+    rank = dist.get_rank()
+    if rank != dp_rank() * tp + tp_rank():
+        raise MegatronBackendError(f"megatron placed rank {rank} at data-parallel rank {dp_rank()}, tensor-parallel "
+                                   f"rank {tp_rank()}; the backend expects tensor-parallel groups of consecutive ranks")
 
 
 def die_with_launcher() -> None:
@@ -166,6 +190,75 @@ def tp_group():
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def dp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size()
+
+
+def row_slices(batch: int, replicas: int) -> list[slice]:
+    """The rows of a `batch`-row forward each data-parallel replica runs, as `torch.tensor_split`
+    splits them: 5 rows over 2 replicas are [0:3], [3:5]; 1 row over 2 is [0:1], [1:1] (empty)."""
+    base, extra = divmod(batch, replicas)
+    out, start = [], 0
+    for i in range(replicas):
+        n = base + (1 if i < extra else 0)
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class DataSplit:
+    """How one forward's rows are split over the data-parallel replicas, and how their logits
+    shards are put back together on rank 0. Every rank derives it alike from the broadcast inputs.
+
+    Example: a (3, T) batch over 2 replicas with `positions` selecting 2, 1 and 2 positions of
+    rows 0, 1, 2. `rows` is [0:2], [2:3]; each replica's shard is (1, N_d, V/T) in its own
+    sequence-major order, `counts` [3, 2], `axis` 1; `order` (5,) picks, for each position of the
+    whole batch in sequence-major order, its place in the replicas' concatenated shards. Without
+    `positions`, shards are (rows, T, V/T), `counts` [2, 1], `axis` 0, and `order` is None.
+    """
+
+    rows: list[slice]
+    counts: list[int]
+    axis: int
+    order: torch.Tensor | None
+
+    @property
+    def padded(self) -> int:
+        """Every rank's shard is padded to this length along `axis` for the gather and scatter."""
+        return max(self.counts)
+
+    @staticmethod
+    def of(batch: int, replicas: int, positions: torch.Tensor | None) -> "DataSplit":
+        rows = row_slices(batch, replicas)
+        if positions is None:
+            return DataSplit(rows, [r.stop - r.start for r in rows], 0, None)
+        sel = positions.bool()                                                  # (B, T)
+        gid = torch.zeros(sel.T.shape, dtype=torch.long, device=sel.device)
+        gid[sel.T] = torch.arange(int(sel.sum()), device=sel.device)            # global sequence-major ids
+        gid = gid.T
+        local = [gid[r].T[sel[r].T] for r in rows]                             # each replica's order
+        order = torch.argsort(torch.cat(local)) if replicas > 1 else None
+        return DataSplit(rows, [len(ids) for ids in local], 1, order)
+
+
+class _Rows:
+    """The rows of the whole batch this rank's forward runs (set around each forward), so LoRA
+    dropout draws the whole batch's masks, as the default backend does, and keeps its rows."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.start = 0
 
 
 # --- the base model ----------------------------------------------------------------------------
@@ -337,8 +430,10 @@ class _LoraParallel(nn.Module):
     """A frozen megatron parallel linear plus the LoRA updates of its HF sites (q, k, v for
     linear_qkv; gate, up for linear_fc1; one site for the row layers)."""
 
-    def __init__(self, base: nn.Module, bank: LoraBank, pieces: list[_Piece], kind: str, groups: tuple[int, int, int]):
+    def __init__(self, base: nn.Module, bank: LoraBank, pieces: list[_Piece], kind: str, groups: tuple[int, int, int],
+                 rows: _Rows):
         super().__init__()
+        self.rows = rows
         self.base = base
         self.bank = bank
         self.pieces = pieces
@@ -357,8 +452,9 @@ class _LoraParallel(nn.Module):
             return x
         s, b, width = x.shape
         full = width * (tp_size() if columns is not None else 1)
-        keep = dropout_keep(torch.Size((b, s, full)), spec.dropout, self.bank.dropout_generator, x.device)
-        keep = keep.transpose(0, 1)
+        total, start = (self.rows.total, self.rows.start) if self.rows.total is not None else (b, 0)
+        keep = dropout_keep(torch.Size((total, s, full)), spec.dropout, self.bank.dropout_generator, x.device)
+        keep = keep[start:start + b].transpose(0, 1)
         if columns is not None:
             keep = keep[..., columns]
         return x * keep / (1 - spec.dropout)
@@ -398,7 +494,7 @@ class _LoraParallel(nn.Module):
         return out + delta.to(out.dtype), bias
 
 
-def add_lora(gpt: nn.Module, layout: LoraLayout, bank: LoraBank, cfg) -> list[tuple[int, int]]:
+def add_lora(gpt: nn.Module, layout: LoraLayout, bank: LoraBank, cfg, rows: _Rows) -> list[tuple[int, int]]:
     """Wrap `gpt`'s parallel linears for the layout's sites. Returns the flat (start, end) ranges
     whose gradient each rank computes only its share of (column B's rows, row A's columns)."""
     index = {s.name: i for i, s in enumerate(layout.sites)}
@@ -418,7 +514,7 @@ def add_lora(gpt: nn.Module, layout: LoraLayout, bank: LoraBank, cfg) -> list[tu
                       if f"{hf}.{module}.{leaf}" in index]
             if not pieces:
                 continue
-            setattr(owner, attr, _LoraParallel(getattr(owner, attr), bank, pieces, kind, groups))
+            setattr(owner, attr, _LoraParallel(getattr(owner, attr), bank, pieces, kind, groups, rows))
             for p in pieces:
                 site, rank = layout.sites[p.index], layout.spec.rank
                 if kind == "row":
@@ -433,19 +529,48 @@ def add_lora(gpt: nn.Module, layout: LoraLayout, bank: LoraBank, cfg) -> list[tu
 _FORWARD, _BACKWARD, _REDUCE, _PING, _STOP = "forward", "backward", "reduce", "ping", "stop"
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A follower's forward that awaits its backward: its logits shard (None where its replica
+    ran no rows), the padded shape the scatter sends, and the shard's length along `axis`."""
+
+    shard: torch.Tensor | None
+    padded: tuple[int, ...]
+    axis: int
+    count: int
+
+
+def _pad(t: torch.Tensor, axis: int, n: int) -> torch.Tensor:
+    """`t` zero-padded to length `n` along `axis` (collectives need equal shapes on every rank)."""
+    short = n - t.shape[axis]
+    if short == 0:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[axis] = short
+    return torch.cat([t, t.new_zeros(shape)], axis)
+
+
 class _GatherVocab(torch.autograd.Function):
-    """Rank 0 gets the whole (B, T, V) logits from each rank's (B, T, V/T) shard; in the backward
-    it sends every rank the gradient of its shard, under the forward's id."""
+    """Rank 0 gets the whole (B, T, V) logits from each rank's (B_d, T, V/T) shard (its replica's
+    rows, its vocabulary columns); in the backward it sends every rank the gradient of its shard,
+    under the forward's id, and runs its own shard's backward there too (a nested backward, as
+    reentrant checkpointing does), so that an error in it is a broken group (`_collective`), not
+    one tenant's error while the other ranks wait in that backward's all-reduces. The shard comes
+    in a list, out of the outer graph's sight; `anchor` (a 0-d leaf that requires grad exactly
+    when the shard does) is what connects the output to autograd."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, model: "MegatronLoraModel", fid: int) -> torch.Tensor:
-        ctx.model, ctx.fid = model, fid
-        return model._gather(shard)
+    def forward(ctx, anchor: torch.Tensor, model: "MegatronLoraModel", fid: int, split: DataSplit,
+                holder: list[torch.Tensor]) -> torch.Tensor:
+        ctx.model, ctx.fid, ctx.split, ctx.holder = model, fid, split, holder
+        return model._gather(holder[0].detach(), split)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with ctx.model._collective("backward"):
-            return ctx.model._scatter_grad(ctx.fid, grad), None, None
+            mine = ctx.model._scatter_grad(ctx.fid, grad, ctx.split)
+            torch.autograd.backward(ctx.holder.pop(), mine)
+        return None, None, None, None, None
 
 
 class MegatronLoraModel(nn.Module):
@@ -458,13 +583,18 @@ class MegatronLoraModel(nn.Module):
         self.cfg = cfg
         self.layout = hf_layout(cfg, spec)
         self.bank = LoraBank(spec)
-        self.split = add_lora(self.gpt, self.layout, self.bank, cfg)
+        self.rows = _Rows()
+        self.split = add_lora(self.gpt, self.layout, self.bank, cfg, self.rows)
         self.split_index = torch.cat([torch.arange(a, b) for a, b in self.split]) if self.split else torch.zeros(0, dtype=torch.long)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tp, self.tp_rank, self.dp, self.dp_rank = tp_size(), tp_rank(), dp_size(), dp_rank()
+        self.dtype = dtype
+        self.broken = False
+        """A collective failed or a rank's part of one raised: the group is out of step for good."""
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self._next_id = 0
-        self._graphs: dict[int, torch.Tensor] = {}
-        """Followers: each forward's logits shard that still awaits its backward, by forward id."""
+        self._graphs: dict[int, _Pending] = {}
+        """Followers: each forward that still awaits its backward, by forward id."""
         self._own: tuple[torch.Tensor, list[tuple[nn.Parameter, nn.Parameter]]] | None = None
         """Followers: their copy of the bound weights (P,) and its LoRA parameters (grads in `_grad`)."""
         self._grad: torch.Tensor | None = None
@@ -547,10 +677,13 @@ class MegatronLoraModel(nn.Module):
                     self._bcast(positions.to(self.device, torch.uint8))
                 if weights is not None:
                     self._bcast(weights.to(self.device))
-            shard = self._shard_logits(input_ids, attention_mask, positions)
             if self.world == 1:
-                return shard
-            return _GatherVocab.apply(shard, self, fid)
+                return self._shard_logits(input_ids, attention_mask, positions)
+            split = DataSplit.of(input_ids.shape[0], self.dp,
+                                 positions.to(self.device) if positions is not None else None)
+            shard = self._run_rows(split, input_ids, attention_mask, positions)
+            anchor = torch.zeros((), device=self.device, requires_grad=shard.requires_grad)
+            return _GatherVocab.apply(anchor, self, fid, split, [shard])
 
     def reduce_grads(self, grad: torch.Tensor) -> None:
         """After a backward (rank 0, `DeviceSlot.fold_grads`): add the other ranks' shares of the
@@ -570,7 +703,7 @@ class MegatronLoraModel(nn.Module):
     def stop_followers(self) -> None:
         """Rank 0, at the end: let the other ranks return from `follow`. Quietly nothing where
         they are gone already."""
-        if self.world > 1 and self.rank == 0:
+        if self.world > 1 and self.rank == 0 and not self.broken:
             try:
                 self._send({"op": _STOP})
             except Exception as e:  # noqa: BLE001 - the group is already broken: nobody left to stop
@@ -580,19 +713,26 @@ class MegatronLoraModel(nn.Module):
 
     @contextlib.contextmanager
     def _collective(self, what: str) -> Iterator[None]:
-        """A failed collective means a broken group: never one tenant's error (`ParallelGroupError`)."""
+        """Any failure between a header and the end of its collectives (a collective that failed,
+        or this rank's own part that raised) leaves the group out of step: the other ranks wait in
+        a collective this one will never join. So it is never one tenant's error: the group is
+        broken (`ParallelGroupError`), and the learner process exits at once (`exit_on_failure`),
+        which closes its connections, so every other rank's collective fails within moments and
+        it exits too, instead of waiting out the group's timeout."""
         try:
             yield
-        except (ParallelGroupError, MegatronBackendError):
+        except ParallelGroupError:
+            self.broken = True
             raise
-        except RuntimeError as e:
-            if not isinstance(e, dist.DistError) and "gloo" not in str(e).lower() and "nccl" not in str(e).lower():
+        except Exception as e:
+            if self.world == 1:   # no other rank waits: an ordinary error
                 raise
-            log.critical("the tensor-parallel group broke during the %s: %s", what, e)
+            self.broken = True
+            log.critical("the parallel group broke during the %s on rank %d: %r", what, self.rank, e, exc_info=True)
             if self.exit_on_failure:
                 logging.shutdown()
                 os._exit(EXIT_GROUP_BROKEN)
-            raise ParallelGroupError(f"the tensor-parallel group broke during the {what}: {e}") from e
+            raise ParallelGroupError(f"the parallel group broke during the {what} on rank {self.rank}: {e}") from e
 
     def _send(self, header: dict) -> None:
         if self.world > 1:
@@ -617,35 +757,78 @@ class MegatronLoraModel(nn.Module):
         finally:
             self._select = None
 
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        shard = shard.contiguous()
-        if self.rank == 0:
-            parts = [torch.empty_like(shard) for _ in range(self.world)]
-            dist.gather(shard, parts, dst=0)
-            return torch.cat(parts, -1)
-        dist.gather(shard, None, dst=0)
-        return shard
+    def _run_rows(self, split: DataSplit, ids: torch.Tensor, mask: torch.Tensor | None,
+                  positions: torch.Tensor | None) -> torch.Tensor:
+        """This rank's logits shard of its replica's rows of the batch: (B_d, T, V/T), or
+        (1, N_d, V/T) of `positions`; an empty one where the replica has no rows."""
+        rows = split.rows[self.dp_rank]
+        if rows.stop == rows.start:
+            width = self.vocab_size // self.tp
+            shape = (0, ids.shape[1], width) if split.axis == 0 else (1, 0, width)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.rows.total, self.rows.start = ids.shape[0], rows.start
+        try:
+            return self._shard_logits(ids[rows], mask[rows] if mask is not None else None,
+                                      positions[rows] if positions is not None else None)
+        finally:
+            self.rows.total = None
 
-    def _scatter_grad(self, fid: int, grad: torch.Tensor) -> torch.Tensor:
-        self._send({"op": _BACKWARD, "id": fid, "shape": tuple(grad.shape)})
-        parts = [p.contiguous() for p in grad.chunk(self.world, -1)]
+    def _gather(self, shard: torch.Tensor, split: DataSplit) -> torch.Tensor:
+        """Every rank's shard to rank 0, padded to equal lengths: there, per replica, the vocabulary
+        shards side by side, then the replicas' rows (or positions, back in sequence-major order)."""
+        shard = _pad(shard, split.axis, split.padded)
+        if self.rank != 0:
+            dist.gather(shard, None, dst=0)
+            return shard
+        parts = [torch.empty_like(shard) for _ in range(self.world)]
+        dist.gather(shard, parts, dst=0)
+        replicas = [torch.cat(parts[d * self.tp:(d + 1) * self.tp], -1).narrow(split.axis, 0, split.counts[d])
+                    for d in range(self.dp)]
+        out = torch.cat(replicas, split.axis) if self.dp > 1 else replicas[0]
+        return out.index_select(1, split.order) if split.order is not None else out
+
+    def _scatter_grad(self, fid: int, grad: torch.Tensor, split: DataSplit) -> torch.Tensor:
+        """Rank 0: each rank the gradient of its shard (the inverse of `_gather`); its own back."""
+        self._send({"op": _BACKWARD, "id": fid})
+        if split.order is not None:
+            grad = grad.index_select(1, torch.argsort(split.order))
+        parts = [_pad(p, split.axis, split.padded) for replica in grad.split(split.counts, split.axis)
+                 for p in replica.chunk(self.tp, -1)]
         mine = torch.empty_like(parts[0])
         dist.scatter(mine, parts, src=0)
-        return mine
+        return mine.narrow(split.axis, 0, split.counts[0])
 
     def _reduce_into(self, grad: torch.Tensor) -> None:
+        """Sum the gradient (P,) to rank 0. One replica: only the split ranges, which each rank of
+        the tensor-parallel group holds its share of (the rest every rank holds whole). Several:
+        all of it, with the whole parts counted once per replica (from its tensor-parallel rank 0)."""
         idx = self.split_index.to(grad.device)
-        part = grad.index_select(0, idx).float()
+        if self.dp == 1:
+            part = grad.index_select(0, idx).float()
+            dist.reduce(part, dst=0)
+            if self.rank == 0:
+                grad.index_copy_(0, idx, part)
+            return
+        if self.tp_rank == 0:
+            part = grad.float().clone()
+        else:
+            part = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+            part.index_copy_(0, idx, grad.index_select(0, idx).float())
         dist.reduce(part, dst=0)
         if self.rank == 0:
-            grad.index_copy_(0, idx, part)
+            grad.copy_(part)
 
     # --- followers ---
 
     def follow(self) -> None:
-        """Ranks > 0: run what rank 0 runs until it says stop."""
+        """Ranks > 0: run what rank 0 runs until it says stop. A failure (rank 0 gone, so its
+        connections closed) breaks the group: `_collective`."""
         if self.rank == 0:
             raise RuntimeError("rank 0 drives; it does not follow")
+        with self._collective("following"):
+            self._follow()
+
+    def _follow(self) -> None:
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
@@ -658,10 +841,11 @@ class MegatronLoraModel(nn.Module):
             if op == _FORWARD:
                 self._follow_forward(header)
             elif op == _BACKWARD:
-                out = self._graphs.pop(header["id"])
-                mine = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+                pending = self._graphs.pop(header["id"])
+                mine = torch.empty(pending.padded, dtype=self.dtype, device=self.device)
                 dist.scatter(mine, None, src=0)
-                out.backward(mine)
+                if pending.shard is not None:
+                    pending.shard.backward(mine.narrow(pending.axis, 0, pending.count))
             elif op == _REDUCE:
                 self._graphs.clear()   # forwards no loss used: their graphs are done with
                 if self._grad is None:
@@ -703,8 +887,10 @@ class MegatronLoraModel(nn.Module):
             gen.set_state(header["rng"])
         self.bank.dropout_generator = gen
         self.train(header["training"])
+        split = DataSplit.of(header["shape"][0], self.dp, positions)
         with torch.set_grad_enabled(header["grad"]):
-            shard = self._shard_logits(ids, mask, positions)
-            self._gather(shard)
-        if header["grad"] and shard.requires_grad:
-            self._graphs[header["id"]] = shard
+            shard = self._run_rows(split, ids, mask, positions)
+            padded = self._gather(shard, split)
+        if header["grad"] and header["bound"]:
+            self._graphs[header["id"]] = _Pending(shard if shard.requires_grad else None, tuple(padded.shape),
+                                                  split.axis, split.counts[self.dp_rank])

@@ -403,7 +403,8 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
         from clora.learner import megatron_tp
 
         megatron_tp.die_with_launcher()
-        megatron_tp.init_parallel(settings.tensor_parallel, timeout_s=settings.parallel_timeout_s)
+        megatron_tp.init_parallel(settings.tensor_parallel, dp=settings.data_parallel,
+                                  timeout_s=settings.parallel_timeout_s)
         spec = LoraSpec(rank=settings.rank, alpha=settings.alpha, target_modules=settings.target_modules)
         model = megatron_tp.MegatronLoraModel(path, spec, dtype=dtype)
         model.exit_on_failure = True   # a broken group restarts the learner from its checkpoints
@@ -413,7 +414,8 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
             model.follow()
             return
         tok = AutoTokenizer.from_pretrained(str(path))
-        log.info("megatron backend: the base split over %d ranks", settings.tensor_parallel)
+        log.info("megatron backend: the base split over %d ranks, %d data-parallel replicas",
+                 settings.tensor_parallel, settings.data_parallel)
     else:
         model, tok = load_base_model(path, dtype=dtype, device=device)
     if settings.metrics_port:

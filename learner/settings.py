@@ -45,6 +45,10 @@ class LearnerSettings(BaseSettings):
     tensor_parallel: int = Field(default=1, ge=1, le=64)
     """Megatron backend: T, the processes (devices) the base is split over. The base's attention
     heads, key/value heads, MLP width and vocabulary must divide by it (SmolLM2-135M: 1 or 3)."""
+    data_parallel: int = Field(default=1, ge=1, le=64)
+    """`CLORA_LEARNER_DATA_PARALLEL`, megatron backend: D, the replicas of the T-way split base.
+    The group is T x D processes; each forward's batch rows are split over the D replicas, and
+    the LoRA gradients are summed over them (the same gradient as one replica's)."""
     parallel_timeout_s: float = Field(default=600.0, ge=10)
     """Megatron backend: how long a rank waits in a collective for the others before the group is
     declared broken (the learner then exits, and restarts from its checkpoints)."""
@@ -133,6 +137,8 @@ class LearnerSettings(BaseSettings):
             raise ValueError("the megatron backend trains one tenant per step: use training_mode serial")
         if self.tensor_parallel > 1 and self.backend != "megatron":
             raise ValueError(f"tensor_parallel {self.tensor_parallel} needs backend megatron")
+        if self.data_parallel > 1 and self.backend != "megatron":
+            raise ValueError(f"data_parallel {self.data_parallel} needs backend megatron")
         return self
 
     @model_validator(mode="after")
