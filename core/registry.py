@@ -623,16 +623,23 @@ class Registry:
             raise TenantNotFound(f"{what}: tenant {tenant_id!r} is being deleted or gone") from e
 
     def record_adapter_version(self, tenant_id: str, version: AdapterVersion, *, fence: Fence | None = None) -> None:
-        """Record a published version (never replacing one). With `fence`: one script that checks
-        it first (`FencedOut` when it is no longer current; nothing is written then)."""
+        """Record a published version (never replacing one) of a tenant in service (`TenantNotFound`
+        for one retired or gone). With `fence`: one script that checks both first (`FencedOut` when
+        the fence is no longer current; nothing is written then)."""
+        gone = TenantNotFound(f"recording {tenant_id} v{version.version}: tenant {tenant_id!r} is being deleted or gone")
+        if fence is None:   # a writer without a lease (benchmarks, tools): checked, then written
+            if not self.r.sismember(PREFIX + "tenants", tenant_id):
+                raise gone
+            if not self.r.hsetnx(self._tkey(tenant_id) + ":versions", str(version.version), version.model_dump_json()):
+                raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}")
+            return
         try:
             self._fenced(_RECORD_VERSION, fence, [self._tkey(tenant_id) + ":versions", PREFIX + "tenants"],
                          [str(version.version), version.model_dump_json(), tenant_id],
                          f"recording {tenant_id} v{version.version}")
         except _ScriptRefused as e:
             if str(e).startswith("RETIRED"):
-                raise TenantNotFound(f"recording {tenant_id} v{version.version}: tenant {tenant_id!r} is being "
-                                     "deleted or gone") from e
+                raise gone from e
             raise RegistryError(f"tenant {tenant_id!r} already has adapter version {version.version}") from e
 
     def _fenced(self, source: str, fence: Fence | None, keys: list[str], args: list, what: str):

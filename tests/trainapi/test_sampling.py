@@ -45,6 +45,7 @@ class FakeRedis:
     def __init__(self):
         self.values: dict[str, bytes] = {}
         self.hashes: dict[str, dict[str, bytes]] = {}
+        self.sets: dict[str, set[bytes]] = {}
         self.ttl: dict[str, int] = {}
 
     def get(self, key):
@@ -72,6 +73,14 @@ class FakeRedis:
 
     def hmget(self, name, keys):
         return [self.hashes.get(name, {}).get(k) for k in keys]
+
+    def sadd(self, name, *members):
+        new = {m.encode() if isinstance(m, str) else m for m in members} - self.sets.setdefault(name, set())
+        self.sets[name] |= new
+        return len(new)
+
+    def sismember(self, name, member):
+        return int((member.encode() if isinstance(member, str) else member) in self.sets.get(name, set()))
 
     def hsetnx(self, name, key, value):
         if key in self.hashes.get(name, {}):
@@ -150,6 +159,7 @@ class World:
         self.harness = tinker_harness(tmp_path)
         self.redis = FakeRedis()
         registry = Registry(self.redis)
+        self.redis.sadd("clora:tenants", "acme")         # acme is a tenant in service
         registry.record_adapter_version("acme", AdapterVersion(version=7, path="/a/acme/v7", base_model="tiny",
                                                                source="tinker", tinker_path=PATH))
         registry.record_tinker_sampler("acme", PATH, 7)
