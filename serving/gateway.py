@@ -500,14 +500,29 @@ class Gateway:
     async def _serve(self, principal: ApiKeyPrincipal, request: Request, body: dict[str, Any], admitted: Admitted,
                      kind: Kind, path: str, started: float, wire: Wire) -> Response:
         """Serve the checked completion request `body` (of `kind`) on the engine's `path`,
-        recorded, and answer it through `wire`."""
+        recorded, and answer it through `wire`. A replica that answers 404 for the adapter it was
+        believed to hold (another gateway sharing it unloaded the version, or it restarted between
+        health checks: `Engine.adapter_missing`) is asked once more, after holding again, which
+        loads the adapter where the request goes; the client sees the 404 only if that fails too."""
         ref = await self.resolve(principal, body["model"])
         await self.record_quota.charge(principal.tenant, admitted.recorded_bytes)
+        rid = new_response_id(wire.id_kind)
+        try:
+            return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
+        except _AdapterMissing:
+            pass
+        try:
+            return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
+        except _AdapterMissing as e:
+            return _upstream_error(e.status, e.content)
+
+    async def _serve_once(self, principal: ApiKeyPrincipal, request: Request, body: dict[str, Any],
+                          admitted: Admitted, kind: Kind, path: str, started: float, wire: Wire,
+                          ref: AdapterRef | None, rid: str) -> Response:
         stack = contextlib.AsyncExitStack()
         try:
             held = await self._hold(stack, principal.tenant, ref, admitted.sequences, admitted.max_tokens, request)
             lease = held.lease
-            rid = new_response_id(wire.id_kind)
             rec = Recorder(kind=kind, body=body, tenant=principal.tenant, interaction_id=rid, ref=ref,
                            client_model=ref.name if ref else self.engine.settings.base_name,
                            messages=admitted.messages)
@@ -576,6 +591,8 @@ class Gateway:
 
     async def _whole(self, url: str, up: dict[str, Any], rec: Recorder, lease: Lease, wire: Wire) -> Response:
         r = await self._post(url, up, lease)
+        if r.status_code == 404 and lease.ref is not None:
+            raise _AdapterMissing(r.status_code, r.content)
         if r.status_code != 200:
             return _upstream_error(r.status_code, r.content)
         try:
@@ -602,6 +619,8 @@ class Gateway:
         if upstream.status_code != 200:
             if upstream.status_code == 404:
                 self.engine.adapter_missing(lease)
+                if lease.ref is not None:
+                    raise _AdapterMissing(upstream.status_code, await upstream.aread())
             return _upstream_error(upstream.status_code, await upstream.aread())
         end = StreamEnd()
         writer = wire.stream(rec.interaction_id, rec.client_model)
@@ -704,6 +723,15 @@ class StreamEnd:
     """How a stream ended, for its metrics: 200, an error status, or `CLIENT_LEFT`."""
 
     status: int = CLIENT_LEFT
+
+
+class _AdapterMissing(Exception):
+    """A replica's 404 for the adapter a request was leased to it for (`Gateway._serve` asks once
+    more). Example: `_AdapterMissing(404, b'{"message": "The model `acme@v1` does not exist."}')`."""
+
+    def __init__(self, status: int, content: bytes):
+        super().__init__(f"engine answered {status}")
+        self.status, self.content = status, content
 
 
 class OwnedStream(StreamingResponse):

@@ -151,9 +151,10 @@ def test_every_call_to_a_remote_replica_carries_the_remote_key(tmp_path):
     assert {auth for _, auth in fleet[0].calls} == {f"Bearer {KEY}"} and h.engine.api_key not in KEY
 
 
-def test_an_adapter_another_gateway_unloaded_is_loaded_again_after_one_404(tmp_path):
+def test_an_adapter_another_gateway_unloaded_is_loaded_again_and_the_request_answered(tmp_path):
     """Gateways share remote replicas: one retiring a version unloads it for all. The next
-    request here gets vLLM's 404 once; the one after loads and verifies the adapter again."""
+    request here meets vLLM's 404; the gateway loads and verifies the adapter again and asks
+    once more, so the client gets its answer, not the 404."""
     fleet = Fleet(1)
     fleet[0].folders["/adapters/acme/v2"] = WEIGHTS["/adapters/acme/v1"]
     h = Harness(tmp_path, engine={"remote_urls": URLS[:1], "remote_api_key": KEY, "ports": []})
@@ -163,14 +164,17 @@ def test_an_adapter_another_gateway_unloaded_is_loaded_again_after_one_404(tmp_p
     async def go():
         assert (await h.call(chat)).status == 200
         del fleet[0].loaded["acme@v2"]                                # the other gateway retired it
-        assert (await h.call(chat)).status == 404
         assert (await h.call(chat)).status == 200
+        assert (await h.call({**chat, "stream": True})).status == 200  # and streamed
+        del fleet[0].loaded["acme@v2"]
+        assert (await h.call({**chat, "stream": True})).status == 200
 
     try:
         asyncio.run(go())
     finally:
         h.close()
-    assert [p for p, _ in fleet[0].calls].count("/v1/load_lora_adapter") == 2
+    assert [p for p, _ in fleet[0].calls].count("/v1/load_lora_adapter") == 3
+    assert [p for p, _ in fleet[0].calls].count("/v1/chat/completions") == 6  # the canary's not among them
 
 
 # --- the canary --------------------------------------------------------------------------
