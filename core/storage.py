@@ -436,26 +436,23 @@ class S3Storage:
         for n in versions:
             self._call(f"deleting {self.uri(tenant, n)}'s manifest", self.client.delete_object,
                        Bucket=self.bucket, Key=self.key(tenant, n, MANIFEST_FILE))   # first: from now on no version
-            keys = self._keys(self.key(tenant, n))
-            for i in range(0, len(keys), 1000):
-                out = self._call(f"deleting {self.uri(tenant, n)}", self.client.delete_objects, Bucket=self.bucket,
-                                 Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-                if out.get("Errors"):
-                    raise StorageError(f"deleting {self.uri(tenant, n)} failed for {len(out['Errors'])} objects: "
-                                       f"{out['Errors'][0]}")
+            self._delete_keys(self._keys(self.key(tenant, n)), f"deleting {self.uri(tenant, n)}")
             shutil.rmtree(self.root / tenant / f"v{n}", ignore_errors=True)
 
     def delete_tenant(self, tenant: str) -> None:
         prefix = f"{self.prefix}{_tenant_dir(tenant)}/"
         self.delete(tenant, self.versions(tenant))   # manifests first, version by version
-        keys = self._keys(prefix)   # whatever else is left under the tenant's prefix
+        # whatever else is left under the tenant's prefix
+        self._delete_keys(self._keys(prefix), f"deleting s3://{self.bucket}/{prefix}")
+        shutil.rmtree(self.root / tenant, ignore_errors=True)   # the cache
+
+    def _delete_keys(self, keys: list[str], what: str) -> None:
+        """Delete `keys`, 1000 to a request (S3's limit); `StorageError` naming `what` when any fails."""
         for i in range(0, len(keys), 1000):
-            out = self._call(f"deleting s3://{self.bucket}/{prefix}", self.client.delete_objects, Bucket=self.bucket,
+            out = self._call(what, self.client.delete_objects, Bucket=self.bucket,
                              Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
             if out.get("Errors"):
-                raise StorageError(f"deleting s3://{self.bucket}/{prefix} failed for {len(out['Errors'])} objects: "
-                                   f"{out['Errors'][0]}")
-        shutil.rmtree(self.root / tenant, ignore_errors=True)   # the cache
+                raise StorageError(f"{what} failed for {len(out['Errors'])} objects: {out['Errors'][0]}")
 
     # --- the cache ----------------------------------------------------------------------
 

@@ -259,26 +259,23 @@ def check_fields(body: dict[str, Any], kind: Kind, bounds: Bounds) -> None:
               "min_tokens": _integer(0, bounds.max_tokens)}
     if kind == "chat":
         limits["max_completion_tokens"] = limits["max_tokens"]
-    for name, value in body.items():
-        check_json(name, value, bounds.max_depth)
-        check = limits.get(name) or allowed.get(name)
-        if check is None:
-            raise Refused(name, f"unknown field for {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}"
-                                f"; clora accepts {', '.join(sorted({*allowed, *limits}))}")
-        if value is not None:
-            check(name, value)
+    _check_body(body, allowed, limits, bounds, "/v1/chat/completions" if kind == "chat" else "/v1/completions")
 
 
 def check_responses_fields(body: dict[str, Any], bounds: Bounds) -> None:
     """`check_fields` for `POST /v1/responses`: refuse any field not in `RESPONSES`, any value
     out of type or range, and any value `check_json` refuses. A null value counts as absent."""
-    limits = {"max_output_tokens": _integer(1, bounds.max_tokens)}
+    _check_body(body, RESPONSES, {"max_output_tokens": _integer(1, bounds.max_tokens)}, bounds, "/v1/responses")
+
+
+def _check_body(body: dict[str, Any], allowed: dict, limits: dict, bounds: Bounds, route: str) -> None:
+    """Each field of `body` through `check_json` and its check (`limits` before `allowed`); a
+    field in neither is refused as unknown for `route`. A null value counts as absent."""
     for name, value in body.items():
         check_json(name, value, bounds.max_depth)
-        check = limits.get(name) or RESPONSES.get(name)
+        check = limits.get(name) or allowed.get(name)
         if check is None:
-            raise Refused(name, f"unknown field for /v1/responses; clora accepts "
-                                f"{', '.join(sorted({*RESPONSES, *limits}))}")
+            raise Refused(name, f"unknown field for {route}; clora accepts {', '.join(sorted({*allowed, *limits}))}")
         if value is not None:
             check(name, value)
 
