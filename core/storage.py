@@ -25,7 +25,6 @@ are never overwritten: a folder or a prefix that exists already refuses a publis
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
