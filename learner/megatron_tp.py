@@ -135,6 +135,20 @@ def init_parallel(tp: int, dp: int = 1, *, timeout_s: float = 600.0) -> None:
                                    f"rank {tp_rank()}; the backend expects tensor-parallel groups of consecutive ranks")
 
 
+def shutdown_parallel() -> None:
+    """Tear megatron's parallel state and the process group down on this rank, once its part is
+    done (rank 0 after `stop_followers`, the others once `follow` returned). Left to the
+    interpreter's exit, gloo's worker threads can still be running when they are destroyed, which
+    aborts the process (SIGABRT, "terminate called without an active exception"): a clean stop
+    would look like a crash to torchrun and to whoever watches the learner."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def die_with_launcher() -> None:
     """Under torchrun, each rank runs in a session of its own, so whoever kills the launcher's
     process group (`clora up` killing a hung learner) would orphan the ranks: ask Linux to kill this

@@ -412,6 +412,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
             for sig in (signal.SIGTERM, signal.SIGINT):   # rank 0 says when to stop, after its checkpoints
                 signal.signal(sig, signal.SIG_IGN)
             model.follow()
+            megatron_tp.shutdown_parallel()
             return
         tok = AutoTokenizer.from_pretrained(str(path))
         log.info("megatron backend: the base split over %d ranks, %d data-parallel replicas",
@@ -447,3 +448,7 @@ def main(settings: LearnerSettings, kafka_bootstrap: str, redis_url: str,
         stop_followers = getattr(learner.model, "stop_followers", None)
         if stop_followers is not None:
             stop_followers()
+    if settings.backend == "megatron":
+        from clora.learner import megatron_tp
+
+        megatron_tp.shutdown_parallel()

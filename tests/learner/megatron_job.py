@@ -108,6 +108,7 @@ def main(job_path: str, out_path: str) -> None:
     (folder / f"rank{model.rank}.pid").write_text(str(os.getpid()))
     if model.rank != 0:
         model.follow()
+        mt.shutdown_parallel()
         return
     if job.get("fail_forward") or job.get("fail_backward"):
         _fail_at(model, job.get("fail_forward"), job.get("fail_backward"), folder)
@@ -120,6 +121,7 @@ def main(job_path: str, out_path: str) -> None:
         torch.save(result, out_path)
     finally:
         model.stop_followers()
+    mt.shutdown_parallel()
 
 
 def _fail_at(model, forward: int | None, backward: int | None, folder: Path) -> None:
