@@ -131,7 +131,7 @@ class IngestWorker:
             enable_auto_commit=False, auto_offset_reset="earliest",
             max_poll_records=s.max_poll_records, max_poll_interval_ms=s.max_poll_interval_ms,
             session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=max(500, s.session_timeout_ms // 3),
-            request_timeout_ms=s.request_timeout_ms, **kafka_client_kwargs(),
+            request_timeout_ms=s.request_timeout_ms, fetch_max_wait_ms=s.fetch_max_wait_ms, **kafka_client_kwargs(),
         )
 
     def run(self, stop: threading.Event) -> None:
