@@ -418,7 +418,7 @@ def bench_tenants(
             typer.Option(help="Adapters in use, as multiples of --slots (1: in-cache)")] = "1,2,4",
         slots: Annotated[int, typer.Option(help="The replica's adapter slots (max_cpu_loras)")] = 8,
         registered: Annotated[int, typer.Option(help="max_registered_loras: adapters kept loaded, vLLM caching --slots "
-                                               "of them (0: the engine's default, --slots)")] = 0,
+                                               "of them (0: the engine's default, 256; --slots: the gateway swaps)")] = 0,
         rounds: Annotated[int, typer.Option(help="Rounds over the working sets; each cell reports its median")] = 1,
         canary_every_load: Annotated[bool,
             typer.Option(help="Verify every re-load again (EngineSettings.canary_every_load)")] = False,
@@ -456,18 +456,21 @@ def bench_fairness(
         skew: Annotated[int, typer.Option(help="Heavy's offered load / light's")] = 10,
         window_s: Annotated[float | None,
             typer.Option(help="Sliding window of Jain's index (default: a third of a phase)")] = None,
-        learner_minutes: Annotated[float, typer.Option(help="Simulated training time per learner phase")] = 30.0,
+        learner_minutes: Annotated[float, typer.Option(help="Simulated training time per step-cost-model phase")] = 30.0,
+        learner_seconds: Annotated[float, typer.Option(help="Real training time per real-learner phase (0: skip)")] = 90.0,
+        learner_model: Annotated[str, typer.Option(help="The real learner's base: tiny, smollm2 or an HF folder")] = "tiny",
         out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/fairness.json",
         log_level: LogLevel = "WARNING"):
     """Fair shares under a 10:1 skew: served tokens through the real gateway and vLLM, and trained
-    tokens from the learner's scheduler, with fairness off and on in one run; Jain's index over
+    tokens on the real learner and on the scheduler's step-cost model, with fairness off and on in one run; Jain's index over
     sliding windows, per-tenant tokens and waits. Prints a table, writes JSON."""
     from clora.infra.fairness_bench import FairnessBenchConfig, main as run_bench
 
     _logging(log_level)
     try:
         config = FairnessBenchConfig(seconds=seconds, slots=slots, light_tokens=light_tokens, skew=skew,
-                                     window_s=window_s, learner_minutes=learner_minutes, out=out)
+                                     window_s=window_s, learner_minutes=learner_minutes,
+                                     learner_seconds=learner_seconds, learner_model=learner_model, out=out)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

@@ -10,9 +10,10 @@ when more adapters are in use than the replica holds at once.
 The real serving stack runs in this process (embedded broker + Redis, one vLLM replica, the
 gateway), measured through the gateway with streamed chat completions of exactly `max_tokens`
 tokens (`ignore_eos`). Interaction events are sent in the background (`durable_interactions` off:
-their cost is `benchmarks/bench_serving.py`'s, not this one's). `--registered` above `--slots`
-keeps that many adapters loaded and lets vLLM's own cache swap the `--slots` it keeps in memory
-(`EngineSettings.max_registered_loras`).
+their cost is `benchmarks/bench_serving.py`'s, not this one's). The replica keeps
+`--registered` adapters loaded (`EngineSettings.max_registered_loras`, 256 by default) and lets
+vLLM's own cache swap the `--slots` it keeps in memory; `--registered` equal to `--slots` makes
+the gateway unload, load and verify every adapter beyond them instead.
 
 The grid:
 - **tenants** T (16, 64, 256): tenants in the registry, each with a live adapter version of its own
@@ -71,8 +72,9 @@ class TenantsBenchConfig:
     slots: int = 8
     """The replica's adapter slots (`EngineSettings.max_cpu_loras`)."""
     registered: int | None = None
-    """`EngineSettings.max_registered_loras` (None: the engine's default, `slots`): adapters the
-    replica keeps loaded, of which vLLM caches `slots` in memory and re-reads the others itself."""
+    """`EngineSettings.max_registered_loras` (None: the engine's default, 256): adapters the
+    replica keeps loaded, of which vLLM caches `slots` in memory and re-reads the others itself.
+    Equal to `slots`: the gateway unloads, loads and verifies every adapter beyond them."""
     canary_every_load: bool = False
     """`EngineSettings.canary_every_load`: verify every re-load again (the engine's default verifies
     each version once per replica between restarts)."""
@@ -262,7 +264,8 @@ class TenantsBench:
             ensure_topics(stack.kafka_bootstrap, partitions=stack.broker.partitions)
             reg = Registry(redis.Redis.from_url(stack.redis_url))
             es = EngineSettings(model=str(model), ports=[free_port()], max_loras=min(c.slots, c.concurrency),
-                                max_cpu_loras=c.slots, max_registered_loras=c.registered, max_lora_rank=c.rank,
+                                max_cpu_loras=c.slots, max_lora_rank=c.rank,
+                                **({} if c.registered is None else {"max_registered_loras": c.registered}),
                                 canary_every_load=c.canary_every_load,
                                 max_model_len=512,
                                 max_num_seqs=max(32, c.concurrency), log_dir=self.root / "logs")

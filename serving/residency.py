@@ -6,7 +6,7 @@ loaded: vLLM serves its name, and reads its folder again whenever it needs the w
 resident adapters vLLM keeps the `cached` most recently used in memory (`--max-cpu-loras`, its
 own LRU cache); a request for another one makes vLLM re-read that folder, with no call from the
 gateway. A replica holds at most `capacity` resident adapters (`EngineSettings.registered_loras`:
-`max_cpu_loras` unless `max_registered_loras` is larger).
+256 by default, at least `max_cpu_loras`).
 
 `ResidentSet` is the bookkeeping only (no I/O): which names are resident, how many in-flight
 requests pin each one, which idle one was least recently used (so the engine can evict it when

@@ -24,7 +24,7 @@ def _engine(tmp_path, cap: int, calls: list) -> EngineManager:
         return httpx.Response(200, text="ok")
 
     es = EngineSettings(model=str(tmp_path), ports=[1], max_loras=1, max_cpu_loras=cap, base_via_zero_adapter=False,
-                        log_dir=tmp_path)
+                        max_registered_loras=None, log_dir=tmp_path)
     eng = EngineManager(es, adapter_wait_s=0.5)
     eng.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     for r in eng.replicas:
@@ -211,7 +211,7 @@ def test_an_unload_that_fails_while_freeing_a_slot_is_a_transient_load_error(tmp
         return httpx.Response(500 if request.url.path.endswith("unload_lora_adapter") else 200, text="boom")
 
     es = EngineSettings(model=str(tmp_path), ports=[1], max_loras=1, max_cpu_loras=1, base_via_zero_adapter=False,
-                        log_dir=tmp_path)
+                        max_registered_loras=None, log_dir=tmp_path)
     eng = EngineManager(es, adapter_wait_s=0.5)
     eng.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     eng.replicas[0].healthy = True

@@ -123,7 +123,9 @@ def test_a_version_stays_verified_across_its_eviction_until_the_replica_is_clear
 def test_registered_loras_must_not_be_below_what_vllm_caches(tmp_path):
     with pytest.raises(ValueError, match=r"max_registered_loras \(4\) must be >= max_cpu_loras \(8\)"):
         EngineSettings(model=str(tmp_path), max_cpu_loras=8, max_registered_loras=4)
-    assert EngineSettings(model=str(tmp_path), max_cpu_loras=8).registered_loras == 8
+    assert EngineSettings(model=str(tmp_path), max_cpu_loras=8).registered_loras == 256   # the default
+    assert EngineSettings(model=str(tmp_path), max_cpu_loras=512).registered_loras == 512
+    assert EngineSettings(model=str(tmp_path), max_cpu_loras=8, max_registered_loras=None).registered_loras == 8
     assert EngineSettings(model=str(tmp_path), max_cpu_loras=8, max_registered_loras=64).registered_loras == 64
 
 

@@ -1,5 +1,6 @@
 """Multi-tenant batching: concurrent greedy requests from several tenants and the base model
-give exactly what each gives alone; more tenants than engine slots are served via LRU reload."""
+give exactly what each gives alone; more tenants than vLLM keeps in memory are served, by vLLM's
+own re-reads (the default) or by the gateway's LRU evictions and reloads."""
 
 from __future__ import annotations
 
@@ -52,15 +53,44 @@ def test_mixed_batch_equals_each_adapter_alone(serving, tenants, client_for):
         assert "PunicaWrapperCPU.add_lora_linear" in replica.log_path.read_text(errors="replace")
 
 
-def test_more_tenants_than_slots_reload_on_demand(serving, tenants, client_for):
+def test_more_tenants_than_vllm_keeps_in_memory_stay_loaded_and_vllm_rereads_them(serving, tenants, client_for):
+    """The default (`max_registered_loras` 256 > `max_cpu_loras`): every adapter stays loaded, vLLM
+    keeps the `max_cpu_loras` used last in memory and re-reads an older one's folder itself, with
+    no unload or load from the gateway, and the same output."""
     cap = serving.engine_settings.max_cpu_loras
+    assert serving.engine_settings.registered_loras > cap + 2
     seeds = [11, 12, 13, 14, 15, 16]
     ts = [tenants.create(seeds[i % len(seeds)]) for i in range(cap + 2)]
     first = {t: _ask(client_for(k), t, "hi") for t, k in ts}
     engine = serving.gateway.engine
-    resident = engine.resident_names()[0]
-    assert len(resident) <= cap
-    assert f"{ts[0][0]}@v1" not in resident  # evicted (LRU)...
-    for t, k in ts[:2]:  # ...and reloaded on demand, with the same output
+    replica = engine.replicas[0]
+    assert {f"{t}@v1" for t, _ in ts} <= set(engine.resident_names()[0])
+    ops = dict(replica.adapter_ops)
+    for t, k in ts[:2]:  # out of vLLM's memory by now (cap + 2 used since): re-read by vLLM
         assert _ask(client_for(k), t, "hi") == first[t]
-    assert f"{ts[0][0]}@v1" in engine.resident_names()[0]
+    assert dict(replica.adapter_ops) == ops, "the gateway loaded or unloaded an adapter that stayed registered"
+
+
+def test_with_as_many_loaded_as_vllm_keeps_in_memory_the_gateway_evicts_and_reloads(serving, tenants, client_for):
+    """`max_registered_loras` = `max_cpu_loras` (None): the gateway evicts the least recently used
+    idle adapter and reloads it on demand, with the same output. The replica's resident set is
+    what that setting sizes (`Replica.resident`); this test narrows it on the shared engine."""
+    engine = serving.gateway.engine
+    replica = engine.replicas[0]
+    cap = replica.resident.cached
+    registered = replica.resident.capacity
+    replica.resident.capacity = cap
+    try:
+        seeds = [11, 12, 13, 14, 15, 16]
+        ts = [tenants.create(seeds[i % len(seeds)]) for i in range(cap + 2)]
+        first = {t: _ask(client_for(k), t, "hi") for t, k in ts}
+        resident = engine.resident_names()[0]
+        assert len(resident) <= cap
+        assert f"{ts[0][0]}@v1" not in resident  # evicted (LRU)...
+        loads = replica.adapter_ops["load"]
+        for t, k in ts[:2]:  # ...and reloaded on demand, with the same output
+            assert _ask(client_for(k), t, "hi") == first[t]
+        assert f"{ts[0][0]}@v1" in engine.resident_names()[0]
+        assert replica.adapter_ops["load"] == loads + 2
+    finally:
+        replica.resident.capacity = registered
