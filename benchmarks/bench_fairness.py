@@ -1,7 +1,7 @@
 """Fair shares under a 10:1 skew, serving and training, fairness off vs on in one run: the same
 benchmark as `clora bench fairness` (see `clora.infra.fairness_bench`).
 
-    python benchmarks/bench_fairness.py [--seconds 40 --slots 8 --light-tokens 16 --skew 10]
+    python benchmarks/bench_fairness.py [--seconds 40 --slots 8 --light-tokens 16 --skew 10 --learner-seconds 90]
 
 Prints a table and writes bench-results/fairness.json.
 """
@@ -23,12 +23,16 @@ def main() -> None:
     ap.add_argument("--skew", type=int, default=defaults.skew, help="heavy's offered load / light's")
     ap.add_argument("--window-s", type=float, default=None, help="Jain window (default: a third of a phase)")
     ap.add_argument("--learner-minutes", type=float, default=defaults.learner_minutes,
-                    help="simulated training time per learner phase")
+                    help="simulated training time per step-cost-model phase")
+    ap.add_argument("--learner-seconds", type=float, default=defaults.learner_seconds,
+                    help="real training time per real-learner phase (0: skip)")
+    ap.add_argument("--learner-model", default=defaults.learner_model, help="tiny, smollm2 or an HF folder")
     ap.add_argument("--out", default=defaults.out)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     run_bench(FairnessBenchConfig(seconds=args.seconds, slots=args.slots, light_tokens=args.light_tokens,
                                   skew=args.skew, window_s=args.window_s, learner_minutes=args.learner_minutes,
+                                  learner_seconds=args.learner_seconds, learner_model=args.learner_model,
                                   out=args.out))
 
 

@@ -75,8 +75,30 @@ def wait_seen(r: redis.Redis, tenant: str, n: int, timeout: float) -> bool:
     return True
 
 
+async def post_one(session: aiohttp.ClientSession, url: str, payload: tuple[str, list[str], dict],
+                   accepted: dict[str, float]) -> int:
+    """POST one (api key, event ids, body) payload until it gets its 202 (the time of which each
+    of its event ids gets in `accepted`); returns the errors retried."""
+    key, ids, body = payload
+    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+    path = "/v1/feedback/batch" if "records" in body else "/v1/feedback"
+    errors = 0
+    for _attempt in range(20):
+        async with session.post(url + path, data=json.dumps(body), headers=headers) as resp:
+            await resp.read()
+            if resp.status == 202:
+                t = time.time()
+                for i in ids:
+                    accepted[i] = t
+                return errors
+            errors += 1
+            await asyncio.sleep(0.2)
+    return errors
+
+
 async def post_all(url: str, payloads: list[tuple[str, list[str], dict]], concurrency: int) -> tuple[dict[str, float], int]:
-    """POST (api key, event ids, body) payloads with `concurrency` clients; returns
+    """POST (api key, event ids, body) payloads with `concurrency` clients, each sending its
+    next as soon as the last is answered (closed loop: as fast as the webhook accepts); returns
     {event_id: accept time} and error count."""
     accepted: dict[str, float] = {}
     errors = 0
@@ -87,19 +109,7 @@ async def post_all(url: str, payloads: list[tuple[str, list[str], dict]], concur
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal errors
         while not queue.empty():
-            key, ids, body = queue.get_nowait()
-            headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
-            path = "/v1/feedback/batch" if "records" in body else "/v1/feedback"
-            for _attempt in range(20):
-                async with session.post(url + path, data=json.dumps(body), headers=headers) as resp:
-                    await resp.read()
-                    if resp.status == 202:
-                        t = time.time()
-                        for i in ids:
-                            accepted[i] = t
-                        break
-                    errors += 1
-                    await asyncio.sleep(0.2)
+            errors += await post_one(session, url, queue.get_nowait(), accepted)
 
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as session:
@@ -107,10 +117,27 @@ async def post_all(url: str, payloads: list[tuple[str, list[str], dict]], concur
     return accepted, errors
 
 
+async def post_paced(url: str, payloads: list[tuple[str, list[str], dict]], per_s: float) -> tuple[dict[str, float], int]:
+    """POST the payloads at `per_s` payloads a second, each at its own time whether or not the
+    earlier ones were answered (open loop: the offered load does not slow down with the
+    webhook); returns {event_id: accept time} and error count."""
+    accepted: dict[str, float] = {}
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
+        start, tasks = loop.time(), []
+        for k, payload in enumerate(payloads):
+            if (delay := start + k / per_s - loop.time()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(post_one(session, url, payload, accepted)))
+        errors = sum(await asyncio.gather(*tasks))
+    return accepted, errors
+
+
 def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, list[str]]], batch: int,
-             concurrency: int) -> dict:
+             concurrency: int, paced_events_per_s: float | None = None) -> dict:
     """One load run over (tenant, api key, interaction ids) triples; the tenants' requests
-    are interleaved."""
+    are interleaved. Closed loop with `concurrency` clients, or, given `paced_events_per_s`,
+    open loop at that many events a second."""
     per_tenant = []
     for tenant, key, iids in tenants:
         prefix = name.replace(" ", "") if len(tenants) == 1 else f"{name.replace(' ', '')}-{tenant}"
@@ -126,7 +153,8 @@ def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, 
     owner = {e: tenant for (tenant, _, _), group in zip(tenants, per_tenant) for _, ids, _ in group for e in ids}
     seen_before = {tenant: r.zcard(f"clora:t:{{{tenant}}}:seen") for tenant, _, _ in tenants}
     t0 = time.time()
-    accepted, errors = asyncio.run(post_all(url, payloads, concurrency))
+    accepted, errors = asyncio.run(post_all(url, payloads, concurrency) if paced_events_per_s is None
+                                   else post_paced(url, payloads, paced_events_per_s / batch))
     t_accept = time.time() - t0
     ok = all(wait_seen(r, tenant, seen_before[tenant] + sum(1 for e in accepted if owner[e] == tenant), timeout=300)
              for tenant, _, _ in tenants)
@@ -138,6 +166,7 @@ def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, 
     lat = [scores[e] - accepted[e] for e in accepted if scores[e] is not None]
     lost = sum(1 for e in accepted if scores[e] is None)
     return {"mode": name, "events": n_records, "batch": batch, "concurrency": concurrency, "tenants": len(tenants),
+            "paced_events_per_s": paced_events_per_s,
             "accepted": len(accepted), "retried_errors": errors, "lost": lost, "all_stored": ok,
             "accept_events_per_s": len(accepted) / t_accept, "end_to_end_events_per_s": len(accepted) / t_all,
             "p50_accept_to_buffer_ms": 1000 * pct(lat, 0.5), "p99_accept_to_buffer_ms": 1000 * pct(lat, 0.99)}
@@ -164,8 +193,13 @@ def redis_ceiling(r: redis.Redis, n: int) -> dict:
 
 
 TARGETS = {"single_events_per_s": 2000, "p99_accept_to_buffer_ms": 250, "batch_vs_redis": 0.5}
-"""Issue 21: single-record requests accepted per second; every run's accept-to-buffer p99;
-batched events stored per second (end to end) over the raw Redis write rate of the same run."""
+"""Issue 21: single-record requests accepted per second; the accept-to-buffer p99 of the paced
+runs; batched events stored per second (end to end) over the raw Redis write rate of the same run.
+
+Latency is checked at a paced load (`--paced-load` of the rate its closed-loop run sustained,
+open loop), not in the closed-loop runs: those offer events as fast as the webhook accepts
+them, faster than the worker stores them, so their accept-to-buffer time is the backlog's
+queueing time and grows with the run's length. Their p50/p99 are reported all the same."""
 
 
 def checks(rows: list[dict]) -> list[dict]:
@@ -183,9 +217,10 @@ def checks(rows: list[dict]) -> list[dict]:
         check("single accepted/s", f">= {TARGETS['single_events_per_s']}", single["accept_events_per_s"],
               single["accept_events_per_s"] >= TARGETS["single_events_per_s"])
     for row in rows[1:]:
-        check(f"{row['mode']} p99 accept->buffer ms", f"< {TARGETS['p99_accept_to_buffer_ms']}",
-              row["p99_accept_to_buffer_ms"], row["p99_accept_to_buffer_ms"] < TARGETS["p99_accept_to_buffer_ms"])
-        if row["batch"] > 1:
+        if row.get("paced_events_per_s"):
+            check(f"{row['mode']} p99 accept->buffer ms", f"< {TARGETS['p99_accept_to_buffer_ms']}",
+                  row["p99_accept_to_buffer_ms"], row["p99_accept_to_buffer_ms"] < TARGETS["p99_accept_to_buffer_ms"])
+        elif row["batch"] > 1:
             ratio = row["end_to_end_events_per_s"] / ceiling
             check(f"{row['mode']} stored/s vs redis", f">= {TARGETS['batch_vs_redis']}", ratio,
                   ratio >= TARGETS["batch_vs_redis"])
@@ -204,6 +239,9 @@ def main() -> None:
     ap.add_argument("--ingest-workers", type=int, default=1, help="ingest worker processes (one consumer group)")
     ap.add_argument("--tenants", type=int, default=4, help="tenants the 'batch xT' row spreads its records over "
                     "(0: skip that row)")
+    ap.add_argument("--paced-load", type=float, default=0.5,
+                    help="the paced runs offer this fraction of the rate their closed-loop run sustained (0: skip)")
+    ap.add_argument("--paced-seconds", type=float, default=15.0, help="length of each paced run")
     ap.add_argument("--out", type=Path, default=Path("bench-results/ingest.json"))
     args = ap.parse_args()
 
@@ -250,6 +288,20 @@ def main() -> None:
         if others:
             print(f"batched run over {len(others)} tenants, {args.ingest_workers} ingest workers ...", flush=True)
             rows.append(run_mode(f"batch x{len(others)}", url, r, others, 500, 4))
+        if args.paced_load > 0:
+            single_rate = args.paced_load * rows[1]["accept_events_per_s"]
+            batch_rate = args.paced_load * rows[2]["end_to_end_events_per_s"]
+            paced = [("single paced", 1, single_rate), ("batch paced", 50, batch_rate)]
+            n = {name: max(batch, int(rate * args.paced_seconds) // batch * batch) for name, batch, rate in paced}
+            more = [f"ix-{i}" for i in range(total, total + sum(n.values()))]
+            print(f"logging {len(more)} more interactions for the paced runs ...", flush=True)
+            log_interactions(stack.kafka_bootstrap, tenant, more)
+            if not wait_seen(r, tenant, total + len(more) + args.events + args.batch_events, timeout=300):
+                raise SystemExit("the ingest workers did not store the interactions in time")
+            for name, batch, rate in paced:
+                print(f"{name} run: {n[name]} records in requests of {batch} at {rate:.0f} events/s ...", flush=True)
+                rows.append(run_mode(name, url, r, [(tenant, key, more[:n[name]])], batch, 0, paced_events_per_s=rate))
+                more = more[n[name]:]
     finally:
         for p in procs:
             p.terminate()

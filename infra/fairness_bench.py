@@ -19,13 +19,22 @@ is far shorter than the 5-minute window of the target), the whole phase's index,
 longest wait for its first token (its queue wait: in the gateway's queue or in vLLM's), and the
 throughput ratio fair / baseline.
 
-**Training** drives the learner's scheduler (`clora.learner.scheduler`) with a step-cost model,
-`seconds = step_fixed_s + step_per_token_s x tokens` (defaults: illustrative, not measured on
-this machine), rather than the real learner: `heavy` offers `skew`x the examples per second of
-`light`, and `light` alone offers more than half of what the learner trains, so both want more
-than their share. Baseline: the scheduler as it was (uncapped backlog bonus, charged seconds);
-fair: backlog bonus capped at `full_backlog`, charged tokens. Jain's index of training tokens
-over sliding windows of simulated time.
+**Training** is measured twice.
+
+- On the real learner (`clora.learner.process.Learner`, in this process, over a real
+  redis-server, its registry and replay buffers): the learner's throughput is measured first
+  (examples/s, a few steps on full backlogs), then `light` is offered 0.75x of it and `heavy`
+  `skew`x that, as SFT examples of 32-224 tokens written into the buffers while the learner
+  ticks for `learner_seconds`. Both want more than their share. Trained tokens are counted
+  as each step is recorded with the scheduler; a tenant's wait is from becoming eligible to
+  being picked. Model: `learner_model` (the serving phases' tiny model by default, `smollm2`,
+  or an HF folder).
+- On a step-cost model, `seconds = step_fixed_s + step_per_token_s x tokens`, over
+  `learner_minutes` of simulated time, for windows as long as the target's.
+
+Baseline: the scheduler as it was (uncapped backlog bonus, charged seconds); fair: the backlog
+bonus capped at `full_backlog`, charged tokens. Jain's index of training tokens over sliding
+windows.
 
 Prints a table and writes JSON (`out`, default bench-results/fairness.json).
 """
@@ -60,7 +69,11 @@ class FairnessBenchConfig:
     window_s: float | None = None
     """Sliding window of the Jain index (None: a third of a phase)."""
     learner_minutes: float = 30.0
-    """Simulated training time per learner phase."""
+    """Simulated training time per step-cost-model phase."""
+    learner_seconds: float = 90.0
+    """Real training time per real-learner phase (0: skip the real learner)."""
+    learner_model: str = "tiny"
+    """The real learner's base: "tiny" (the serving phases' model), "smollm2", or an HF folder."""
     step_fixed_s: float = 0.4
     step_per_token_s: float = 0.0005
     batch_size: int = 8
@@ -71,6 +84,8 @@ class FairnessBenchConfig:
             raise ValueError(f"--seconds must be >= 6 (a phase needs a warm-up and windows), got {self.seconds}")
         if self.slots < 2 or self.skew < 1 or self.light_tokens < 1:
             raise ValueError("--slots must be >= 2, --skew and --light-tokens >= 1")
+        if self.learner_seconds and self.learner_seconds < 12:
+            raise ValueError(f"--learner-seconds must be 0 or >= 12, got {self.learner_seconds}")
 
     @property
     def window(self) -> float:
@@ -185,9 +200,18 @@ async def serve_phase(url: str, keys: dict[str, str], config: FairnessBenchConfi
                      window=config.window, errors=errors, first_error=first_error)
 
 
-def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
+def tiny_model(path: Path) -> Path:
+    """The test suite's tiny random model (`tests/serving/tiny.py`), written at `path`."""
     import importlib.util
 
+    spec = importlib.util.spec_from_file_location(
+        "clora_serving_tiny", Path(__file__).resolve().parents[1] / "tests" / "serving" / "tiny.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    return tiny.make_model(path)
+
+
+def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
     import redis
 
     from clora.infra.settings import BrokerSettings, RedisSettings
@@ -205,11 +229,7 @@ def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
     svc = None
     try:
         ensure_topics(stack.kafka_bootstrap, partitions=stack.broker.partitions)
-        spec = importlib.util.spec_from_file_location(
-            "clora_serving_tiny", Path(__file__).resolve().parents[1] / "tests" / "serving" / "tiny.py")
-        tiny = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(tiny)
-        model = tiny.make_model(work / "tiny")
+        model = tiny_model(work / "tiny")
         reg = Registry(redis.Redis.from_url(stack.redis_url))
         keys = {name: reg.create_tenant(name)[1] for name in TENANTS}  # no version yet: the base model
         es = EngineSettings(model=str(model), ports=[free_port()], max_model_len=512, max_num_seqs=config.slots,
@@ -285,6 +305,165 @@ def run_learner(config: FairnessBenchConfig, fair: bool) -> Phase:
                      window=window, step=window / 20)
 
 
+WORDS = ("red", "blue", "green", "stone", "river", "cloud", "seven", "lamp", "north", "quiet", "paper", "bright")
+
+
+class RealLearner:
+    """A real learner over a real redis-server, one fresh world (registry, buffers, learner)
+    per phase; see the module's docstring."""
+
+    def __init__(self, config: FairnessBenchConfig, work: Path):
+        import redis
+
+        from clora.infra.settings import RedisSettings
+        from clora.infra.stack import redis_process
+        from clora.learner.base_model import load_base_model, prepare_base_model
+        from clora.procs import free_port
+
+        self.config, self.work = config, work
+        rs = RedisSettings(port=free_port())
+        self.server = redis_process(rs, work / "redis", work / "logs").start()
+        self.client = redis.Redis.from_url(f"redis://{rs.host}:{rs.port}/0")
+        source = config.learner_model
+        self.model_dir = tiny_model(work / "tiny") if source == "tiny" else prepare_base_model(source)
+        self._load = load_base_model
+        self.tokenizer = load_base_model(self.model_dir)[1]
+        self.rng = random.Random(11)
+        self.serial = 0
+        self.answers = [self._answer() for _ in range(256)]
+        """(answer, its tokens): examples are drawn from these, so offering costs no tokenizing."""
+
+    def _answer(self) -> tuple[str, int]:
+        """An answer of 32-224 tokens, whatever the tokenizer."""
+        want, words = self.rng.randint(32, 224), self.rng.choice(WORDS)
+        while (n := len(self.tokenizer.encode(words))) < want:
+            words += " " + " ".join(self.rng.choice(WORDS) for _ in range(max(1, (want - n) // 4)))
+        return words, n
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+    def learner(self, name: str):
+        """A fresh registry with `TENANTS` (SFT, equal weights) and a learner over it."""
+        from clora.ingest.buffers import ReplayBuffer
+        from clora.learner.process import Learner
+        from clora.learner.settings import LearnerSettings
+        from clora.registry import LearningPolicy, Registry
+
+        self.client.flushdb()
+        registry = Registry(self.client)
+        b = self.config.batch_size
+        for t in TENANTS:
+            registry.create_tenant(t, policy=LearningPolicy(algorithm="sft", learning_rate=1e-4, batch_size=b,
+                                                            min_new_examples=b))
+        root = self.work / name
+        settings = LearnerSettings(adapters_dir=root / "adapters", checkpoints_dir=root / "checkpoints",
+                                   metrics_port=0, rank=8, alpha=16, max_seq_len=256, idle_sleep_s=0.05,
+                                   publish_every=10**6, checkpoint_every=10**6, device="cpu")
+        model, tok = self._load(self.model_dir)
+        self.buffer = ReplayBuffer(self.client)
+        return Learner(settings, model, tok, registry=registry, buffer=self.buffer, announce=lambda event: None,
+                       base_model_name=str(self.model_dir))
+
+    def offer(self, tenant: str, n: int) -> int:
+        """`n` new SFT examples of 32-224 tokens (their answers) for `tenant`; their tokens."""
+        from clora.ingest.buffers import PendingWrite
+        from clora.ingest.schemas import Message, SFTExample
+
+        items, tokens = [], 0
+        for _ in range(n):
+            self.serial += 1
+            words, n = self.rng.choice(self.answers)
+            tokens += n
+            ex = SFTExample(example_id=f"x{self.serial}", tenant=tenant, interaction_id=f"i{self.serial}",
+                            feedback_event_id=f"f{self.serial}", time=time.time(),
+                            messages=[Message(role="user", content="Say the words.")],
+                            target=Message(role="assistant", content=words))
+            items.append(PendingWrite(f"f{self.serial}", [ex], "", None))
+        if items:
+            self.buffer.add_many(tenant, items, now=time.time())
+        return tokens
+
+    def capacity(self) -> float:
+        """Examples/s the learner trains, on full backlogs (after one warm-up step each)."""
+        learner = self.learner("calibrate")
+        for t in TENANTS:
+            self.offer(t, 6 * self.config.batch_size)
+        for _ in TENANTS:
+            learner.tick()
+        done, t0 = 0, time.monotonic()
+        for _ in range(6):
+            if learner.tick() is not None:
+                done += self.config.batch_size
+        learner.shutdown()
+        return done / (time.monotonic() - t0)
+
+    def phase(self, fair: bool, capacity: float) -> Phase:
+        """`learner_seconds` of training under the offered load, with the scheduler as it was
+        (fair=False) or as it is."""
+        c = self.config
+        learner = self.learner("fair" if fair else "baseline")
+        sched = learner.scheduler
+        served: list[Served] = []
+        waits: dict[str, list[float]] = {name: [] for name in TENANTS}
+        eligible_since: dict[str, float] = {}
+        t0 = time.monotonic()
+        record, pick = sched.record, sched.pick
+        if not fair:
+            sched.full_backlog = None
+
+        def recorded(tenant, seconds, tokens=None):
+            if tokens is not None and tenant in TENANTS:
+                served.append(Served(time.monotonic() - t0, tenant, tokens))
+            record(tenant, seconds, tokens=tokens if fair else None)
+
+        def picked(views):
+            now = time.monotonic()
+            for v in views:
+                if v.eligible:
+                    eligible_since.setdefault(v.id, now)
+                else:
+                    eligible_since.pop(v.id, None)
+            d = pick(views)
+            if d.tenant in eligible_since:
+                waits[d.tenant].append(now - eligible_since.pop(d.tenant))
+            return d
+
+        sched.record, sched.pick = recorded, picked
+        rate = {"light": 0.75 * capacity, "heavy": 0.75 * capacity * c.skew}
+        offered = {name: 0 for name in TENANTS}
+        arrived = {name: 0 for name in TENANTS}
+        for name in TENANTS:        # a step's worth each to start
+            offered[name] += self.offer(name, c.batch_size)
+            arrived[name] = c.batch_size
+        while (now := time.monotonic() - t0) < c.learner_seconds:
+            for name in TENANTS:
+                due = c.batch_size + int(rate[name] * now) - arrived[name]
+                if due > 0:
+                    offered[name] += self.offer(name, due)
+                    arrived[name] += due
+            learner.tick()
+        learner.shutdown()
+        window = c.learner_seconds / 3
+        return summarize(("fair" if fair else "baseline") + " (real learner)", served, offered, waits,
+                         warmup=window / 2, end=c.learner_seconds, window=window, step=window / 20)
+
+
+def run_real_learner(config: FairnessBenchConfig, console: Console) -> list[Phase]:
+    work = Path(tempfile.mkdtemp(prefix="clora-bench-fairness-learner-"))
+    real = RealLearner(config, work)
+    try:
+        capacity = real.capacity()
+        console.print(f"real learner ({config.learner_model}): {capacity:.1f} examples/s on full backlogs; "
+                      f"offering light {0.75 * capacity:.1f}/s, heavy {0.75 * capacity * config.skew:.1f}/s",
+                      highlight=False)
+        return [real.phase(fair, capacity) for fair in (False, True)]
+    finally:
+        real.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # --- the report ---------------------------------------------------------------------------
 
 def table(title: str, phases: list[Phase]) -> Table:
@@ -303,6 +482,7 @@ def table(title: str, phases: list[Phase]) -> Table:
 def main(config: FairnessBenchConfig, console: Console | None = None) -> dict:
     console = console or Console()
     serving = run_serving(config, console)
+    real = run_real_learner(config, console) if config.learner_seconds else []
     learner = [run_learner(config, fair) for fair in (False, True)]
     console.print(table(f"serving: equal weights, {config.skew}:1 offered tokens, {config.slots} engine slots, "
                         f"windows of {config.window:.0f} s", serving))
@@ -313,11 +493,15 @@ def main(config: FairnessBenchConfig, console: Console | None = None) -> dict:
             console.print(f"{p.mode}: {p.errors} requests failed, the first: {p.first_error}", highlight=False)
     console.print(f"throughput fair / baseline: {ratio:.2f}; errors {base.errors} / {fair.errors}; max wait = "
                   "longest time to a request's first token", highlight=False)
+    if real:
+        console.print(table(f"training on the real learner ({config.learner_model}), {config.learner_seconds:g} s "
+                            f"per phase, windows of a third", real))
     console.print(table(f"training (scheduler on the step-cost model, {config.learner_minutes:g} simulated min, "
                         f"windows of a third)", learner))
     result = {"config": asdict(config) | {"window_s": config.window},
               "serving": [asdict(p) | {"jain_min": p.jain_min} for p in serving],
               "serving_throughput_ratio": ratio,
+              "learner_real": [asdict(p) | {"jain_min": p.jain_min} for p in real],
               "learner": [asdict(p) | {"jain_min": p.jain_min} for p in learner]}
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)
