@@ -374,8 +374,8 @@ class RealLearner:
         items, tokens = [], 0
         for _ in range(n):
             self.serial += 1
-            words, n = self.rng.choice(self.answers)
-            tokens += n
+            words, length = self.rng.choice(self.answers)
+            tokens += length
             ex = SFTExample(example_id=f"x{self.serial}", tenant=tenant, interaction_id=f"i{self.serial}",
                             feedback_event_id=f"f{self.serial}", time=time.time(),
                             messages=[Message(role="user", content="Say the words.")],
