@@ -21,10 +21,13 @@ How it works (`RedisLeases`, keys under `clora:learner:`):
   this learner's own id by an earlier process (a learner restarted under the same id: `clora
   up` gives its learner a stable one) is taken back at once, with a new token; so learner ids
   must be unique among running learners (the default, `<hostname>-<pid>`, is).
-- **Renew**: every tick (`sync`) and before each step, checkpoint and publish (`check`), every
-  lease the learner holds has its TTL restarted, each only where it still holds exactly this
-  token and holder. A learner whose loop stops (a hang, a kill -9) renews nothing, and its
-  leases lapse after `lease_ttl_s`.
+- **Renew**: every tick (`sync`), before each step, checkpoint and publish (`check`), and every
+  `lease_ttl_s` / 3 from a keep-alive thread (`keep_alive`), every lease the learner holds has
+  its TTL restarted, each only where it still holds exactly this token and holder. The thread
+  keeps a step longer than the TTL (a large base on CPU, a long first step) from losing its
+  lease mid-step, which would discard the step and retry it forever; it renews only while the
+  loop has ticked within `lease_keepalive_s`. A learner killed with -9 renews nothing, and its
+  leases lapse after `lease_ttl_s`; one whose loop hangs, `lease_keepalive_s` later.
 - **Fair share**: each learner renews its heartbeat in its pool's `members` (one pool,
   `default`, in a deployment; tests use their own) at every tick, with the same TTL; the live
   learners are the unexpired members. With T tenants and L live learners a learner holds at most
@@ -39,7 +42,7 @@ How it works (`RedisLeases`, keys under `clora:learner:`):
   a hand-off: deleted only where the key still holds this lease.
 
 Failover bound: a learner killed with -9 stops renewing; its leases and its heartbeat lapse at
-most `lease_ttl_s` after its last renewal (its last tick, step, checkpoint or publish), and every other learner's next `sync` (one tick: at most
+most `lease_ttl_s` after its last renewal (at most `lease_ttl_s` / 3 before the kill), and every other learner's next `sync` (one tick: at most
 `idle_sleep_s` when idle, one step with its gate and publish when busy) counts one learner fewer
 and takes the free leases. So a dead learner's tenants have a new holder within `lease_ttl_s` +
 one tick of the survivors, and train again at its next step after the newest checkpoint is read.
@@ -55,8 +58,9 @@ import logging
 import math
 import os
 import socket
+import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -180,8 +184,8 @@ class SoleLearner:
 
 
 class RedisLeases:
-    """Tenant leases in Redis with fencing tokens (see the module docstring). Not thread-safe:
-    one learner loop uses it."""
+    """Tenant leases in Redis with fencing tokens (see the module docstring). One learner loop
+    uses it, and its `keep_alive` thread renews beside it (every method takes one lock)."""
 
     def __init__(self, client, learner_id: str, ttl_s: float, pool: str = "default"):
         self.r = client
@@ -199,40 +203,72 @@ class RedisLeases:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._beat = client.register_script(_BEAT)
+        self._lock = threading.RLock()
+        """Held by every method: the loop and the keep-alive thread share `fences`."""
 
     def holds(self, tenant: str) -> bool:
-        return tenant in self.fences
+        with self._lock:
+            return tenant in self.fences
 
     def beat(self) -> list[str]:
         """Renew this learner's heartbeat; returns the live learners' ids (this one's included)."""
-        live = [m.decode() for m in self._beat(keys=[self.members], args=[self.learner_id, self.ttl_ms])]
-        self.live = len(live)
-        return live
+        with self._lock:
+            live = [m.decode() for m in self._beat(keys=[self.members], args=[self.learner_id, self.ttl_ms])]
+            self.live = len(live)
+            return live
 
     def renew(self) -> tuple[str, ...]:
         """Restart the TTL of every held lease; returns (and forgets) those no longer held."""
-        if not self.fences:
-            return ()
-        tenants = sorted(self.fences)
-        held = self._renew(keys=[self.fences[t].key for t in tenants],
-                           args=[self.ttl_ms, *(self.fences[t].value for t in tenants)])
-        lost = tuple(t for t, ok in zip(tenants, held) if not int(ok))
-        for t in lost:
-            del self.fences[t]
-            self._lost[t] = None
-        return lost
+        with self._lock:
+            if not self.fences:
+                return ()
+            tenants = sorted(self.fences)
+            held = self._renew(keys=[self.fences[t].key for t in tenants],
+                               args=[self.ttl_ms, *(self.fences[t].value for t in tenants)])
+            lost = tuple(t for t, ok in zip(tenants, held) if not int(ok))
+            for t in lost:
+                del self.fences[t]
+                self._lost[t] = None
+            return lost
+
+    def keep_alive(self, ticked_within: Callable[[float], bool], max_silence_s: float,
+                   stop: threading.Event) -> threading.Thread:
+        """Renew this learner's heartbeat and leases every TTL / 3 from a daemon thread until
+        `stop` is set, while `ticked_within(max_silence_s)` says the loop is still making
+        progress: a step longer than the TTL keeps its lease, a hung loop does not keep its
+        tenants. A renewal that fails (Redis away) is logged and tried again next period."""
+        period = self.ttl_ms / 3000
+
+        def run() -> None:
+            while not stop.wait(period):
+                if not ticked_within(max_silence_s):
+                    continue
+                try:
+                    self.beat()
+                    self.renew()
+                except Exception as e:  # noqa: BLE001 - the loop's own renewal says what is lost
+                    log.warning("learner %s could not renew its leases: %s", self.learner_id, e)
+
+        thread = threading.Thread(target=run, name="lease-keepalive", daemon=True)
+        thread.start()
+        return thread
 
     def acquire(self, tenant: str) -> Fence | None:
         """Take `tenant`'s lease when it is free (or held under this learner's id by an earlier
         process); its fence, or None when another learner holds it."""
         key = lease_key(tenant)
-        token = int(self._acquire(keys=[key, key + ":token"], args=[self.learner_id, self.ttl_ms]))
-        if not token:
-            return None
-        self.fences[tenant] = fence = Fence(key, self.learner_id, token)
-        return fence
+        with self._lock:
+            token = int(self._acquire(keys=[key, key + ":token"], args=[self.learner_id, self.ttl_ms]))
+            if not token:
+                return None
+            self.fences[tenant] = fence = Fence(key, self.learner_id, token)
+            return fence
 
     def sync(self, tenants: Sequence[str]) -> LeaseChanges:
+        with self._lock:
+            return self._sync(tenants)
+
+    def _sync(self, tenants: Sequence[str]) -> LeaseChanges:
         live = self.beat()
         self.renew()
         lost, self._lost = list(self._lost), {}
@@ -263,21 +299,25 @@ class RedisLeases:
         return LeaseChanges(tuple(gained), tuple(lost), surplus)
 
     def check(self, tenant: str) -> Fence:
-        lost = self.renew()
-        fence = self.fences.get(tenant)
-        if fence is None:
-            raise FencedOut(f"learner {self.learner_id} no longer holds {tenant}'s lease"
-                            + (" (taken over or lapsed)" if tenant in lost else ""))
-        return fence
+        with self._lock:
+            lost = self.renew()
+            fence = self.fences.get(tenant)
+            if fence is None:
+                lapsed = tenant in lost or tenant in self._lost    # found lost here or by the keep-alive
+                raise FencedOut(f"learner {self.learner_id} no longer holds {tenant}'s lease"
+                                + (" (taken over or lapsed)" if lapsed else ""))
+            return fence
 
     def release(self, tenants: Iterable[str]) -> None:
-        fences = [self.fences.pop(t) for t in tenants if t in self.fences]
-        if fences:
-            self._release(keys=[f.key for f in fences], args=[f.value for f in fences])
+        with self._lock:
+            fences = [self.fences.pop(t) for t in tenants if t in self.fences]
+            if fences:
+                self._release(keys=[f.key for f in fences], args=[f.value for f in fences])
 
     def close(self) -> None:
-        self.release(list(self.fences))
-        self.r.zrem(self.members, self.learner_id)
+        with self._lock:
+            self.release(list(self.fences))
+            self.r.zrem(self.members, self.learner_id)
 
     def holder(self, tenant: str) -> Fence | None:
         """Who holds `tenant`'s lease now (any learner), as its fence; None when it is free."""

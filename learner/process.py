@@ -54,6 +54,7 @@ from clora.fencing import FencedOut
 from clora.freshness import VersionLineage
 from clora.ingest.schemas import AdapterEvent
 from clora.procs import Heartbeat
+from clora.registry import TenantNotFound
 from clora.storage import AdapterStorage, StorageSettings, open_storage
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.backoff import StepFailures
@@ -244,13 +245,41 @@ class Learner:
         return trained_alone + tuple(r.tenant for r in step.results)
 
     def _failed(self, tenants: list[str], error: BaseException) -> None:
-        """The work of `tenants` failed: a lost lease lets each go (`FencedOut`); any other
-        error backs them off (`StepFailures`)."""
+        """The work of `tenants` failed: a lost lease lets each go (`FencedOut`), and so does the
+        tenant's deletion (whatever its work then failed on: its version claim, its folder);
+        any other error backs them off (`StepFailures`)."""
         if isinstance(error, FencedOut):
             for tid in tenants:
                 self.ownership.let_go(tid, error)
-        else:
-            self.failures.failed(tenants, error)
+            return
+        gone = [tid for tid in tenants if self._deleted(tid)]
+        for tid in gone:
+            log.info("tenant %s was deleted during its work (%s: %s); dropping it", tid, type(error).__name__, error)
+            self.ownership.let_go(tid, "the tenant was deleted")
+        if rest := [tid for tid in tenants if tid not in gone]:
+            self.failures.failed(rest, error)
+
+    def _deleted(self, tenant: str) -> bool:
+        """Whether `tenant` is being deleted or gone from the registry (False when the registry
+        cannot say: the failure is then treated as the tenant's)."""
+        try:
+            self.registry.get_tenant(tenant)
+        except TenantNotFound:
+            return True
+        except Exception:  # noqa: BLE001 - Redis away: back off as for any failure
+            return False
+        return False
+
+    def _admit(self, t) -> bool:
+        """`lifecycle.admit(t)`, where a failure (its initial adapter's import, a checkpoint read)
+        is the tenant's: it backs off like a failed step, and the loop goes on for the others."""
+        if t.id not in self.store and self.tenants[t.id].waits(time.monotonic()):
+            return False
+        try:
+            return self.lifecycle.admit(t)
+        except Exception as e:  # noqa: BLE001 - one tenant's admission must not stop the learner
+            self._failed([t.id], e)
+            return False
 
     def _open_tick(self) -> tuple[list[TenantView], dict]:
         """What every tick starts with: the lease work, then the tenants' views and registry
@@ -273,7 +302,7 @@ class Learner:
         (`Sampler.flat_cut`), shows as paused."""
         views, registered = [], {}
         for t in tenants if tenants is not None else self.registry.list_tenants():
-            if not self.leases.holds(t.id) or not self.lifecycle.admit(t):
+            if not self.leases.holds(t.id) or not self._admit(t):
                 continue
             p = t.policy
             cursor = self.store.peek(t.id).cursor
@@ -335,6 +364,8 @@ class Learner:
         Each pass beats the heartbeat `clora up` watches (`CLORA_HEARTBEAT_FILE`)."""
         heartbeat = Heartbeat.from_env()
         keepalive = getattr(self.model, "keepalive", None)   # the megatron backend's other ranks wait on it
+        if isinstance(self.leases, RedisLeases):   # a step longer than the lease's TTL keeps its lease
+            self.leases.keep_alive(lambda s: time.monotonic() - heartbeat.last < s, self.s.lease_keepalive_s, stop)
         try:
             while not stop.is_set():
                 heartbeat.beat()

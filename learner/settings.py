@@ -33,10 +33,15 @@ class LearnerSettings(BaseSettings):
     """This learner's id among the learners sharing the tenants (`clora.learner.leases`): unique
     per process. Default `<hostname>-<pid>`."""
     lease_ttl_s: float = Field(default=15.0, ge=1, le=3600)
-    """How long a tenant's lease outlives its holder's last renewal (every tick, and before each
-    step, checkpoint and publish). A learner killed with -9 hands its tenants over within this +
-    one tick of the others. Keep it above the longest tick (a step with its gate and publish):
-    a lease that lapses mid-step costs that step."""
+    """How long a tenant's lease outlives its holder's last renewal (every tick, before each step,
+    checkpoint and publish, and every third of it from a keep-alive thread while the loop is
+    live: `lease_keepalive_s`). A learner killed with -9 hands its tenants over within this +
+    one tick of the others."""
+    lease_keepalive_s: float = Field(default=900.0, gt=0)
+    """How long the learner's loop may go without a tick (one step, with its gate and publish)
+    and still have its keep-alive thread renew its leases. Past it the leases lapse and other
+    learners take its tenants: a hung loop does not keep them. Keep it above the longest step;
+    the default matches the supervisor's `learner_unresponsive_after_s`."""
     backend: Literal["default", "megatron"] = "default"
     """`CLORA_LEARNER_BACKEND`: how the frozen base runs. `default`: the Hugging Face model on one
     device. `megatron`: a megatron-core GPTModel split over `tensor_parallel` processes

@@ -58,6 +58,10 @@ class FakeRegistry:
         return list(self.tenants.values())
 
     def get_tenant(self, tenant_id):
+        from clora.registry import TenantNotFound
+
+        if tenant_id not in self.tenants:
+            raise TenantNotFound(f"no tenant {tenant_id!r}")
         return self.tenants[tenant_id]
 
     def update_policy(self, tenant_id, /, **changes):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from clora.registry import LearningPolicy, Tenant
 from clora.learner.adapter_store import EXP_AVG, EXP_AVG_SQ, MASTER
+from clora.learner.backoff import Backoff
 from clora.learner.base_model import load_base_model
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.metrics import LearnerMetrics
@@ -139,3 +140,42 @@ def test_lost_checkpoint_restarts_from_the_live_version_not_a_fresh_init(tmp_pat
     assert not torch.equal(second.store.state("fork").master, imported)
     assert [v.version for v in reg.adapter_versions("fork")] == [1, 2]  # not imported again
     second.shutdown()
+
+
+def test_a_failed_import_backs_its_tenant_off_and_a_deleted_ones_is_dropped_while_the_others_train(
+        tmp_path, tiny_model_dir, caplog):
+    """An import that fails (a store error, or the tenant deleted while its v1 was written, which
+    removes its folder) is the tenant's: the learner trains the others on, retries a failed import
+    after its back-off, and forgets a deleted tenant without counting a failure."""
+    from clora.learner.publish import PublishError
+
+    buf = _buffer("other")
+    for tid in ("flaky", "doomed"):
+        for i in range(4):
+            buf.add(sft(tid, i, f"q{i}?", "blue"))
+    reg = FakeRegistry()
+    lr = _learner(_settings(tmp_path), reg, buf, tiny_model_dir)
+    src, _ = _peft_folder(tmp_path / "my-lora", lr.model.layout, seed=3)
+    reg.tenants.update(other=_tenant("other"), flaky=_tenant("flaky", src), doomed=_tenant("doomed", src))
+    real_import = lr.publisher.import_adapter
+
+    def failing_import(tenant, folder):
+        if tenant == "doomed":          # deleted meanwhile: its adapters folder is gone
+            del reg.tenants["doomed"]
+            raise PublishError("publishing doomed v1 failed") from FileNotFoundError("adapters/doomed/.tmp-v1")
+        raise PublishError(f"publishing {tenant} v1 failed") from OSError("store unreachable")
+
+    lr.publisher.import_adapter = failing_import
+    with caplog.at_level(logging.INFO, logger="clora.learner"):
+        assert lr.tick() == "other"
+    assert "doomed" not in lr.store and "flaky" not in lr.store
+    failures = lr.metrics.registry.get_sample_value
+    assert failures("clora_learner_failures_total", {"tenant": "flaky"}) == 1
+    assert failures("clora_learner_failures_total", {"tenant": "doomed"}) is None
+    assert any("doomed was deleted" in r.getMessage() for r in caplog.records)
+
+    lr.publisher.import_adapter = real_import            # the store is back
+    assert lr.tick() is None and "flaky" not in lr.store     # still backing off: not retried yet
+    lr.tenants["flaky"].backoff = Backoff(failures=1, wait_s=5.0, retry_at=0.0)   # the back-off is over
+    assert lr.tick() == "flaky" and [v.version for v in reg.adapter_versions("flaky")] == [1, 2]
+    lr.shutdown()

@@ -77,6 +77,43 @@ def test_a_lease_is_renewed_while_its_holder_works_and_taken_over_with_a_larger_
     assert b.holder(tenant_id) is None and a.acquire(tenant_id).token > second.token
 
 
+def test_the_keep_alive_holds_a_lease_through_a_step_longer_than_its_ttl_but_not_through_a_hung_loop(
+        redis_client, pool, tenant_id):
+    """The loop neither ticks nor checks here (one long step, or a hang): only the keep-alive
+    thread renews. Each renewal round asks whether the loop ticked lately; the test waits for
+    rounds, not for time: 4 rounds of TTL/3 outlast the TTL."""
+    import threading
+
+    def rounds_of(working: bool):
+        asked = threading.Semaphore(0)
+
+        def ticked_within(max_silence_s: float) -> bool:
+            assert max_silence_s == 60.0
+            asked.release()
+            return working
+        return ticked_within, asked
+
+    a, b = _leases(redis_client, pool, "a", "b")
+    first = a.acquire(tenant_id)
+    stop = threading.Event()
+    working, asked = rounds_of(True)
+    a.keep_alive(working, 60.0, stop)
+    for _ in range(4):
+        assert asked.acquire(timeout=30)
+    assert b.acquire(tenant_id) is None and a.check(tenant_id) == first   # a step of > 1 TTL kept it
+    stop.set()
+
+    hung, asked = rounds_of(False)
+    a.keep_alive(hung, 60.0, stop := threading.Event())
+    for _ in range(4):                      # no renewal in 4 rounds: past the TTL since a's check
+        assert asked.acquire(timeout=30)
+    stop.set()
+    second = b.acquire(tenant_id)
+    assert second is not None and second.token > first.token
+    with pytest.raises(FencedOut, match="a no longer holds"):
+        a.check(tenant_id)
+
+
 def test_a_learner_restarted_under_its_id_takes_its_leases_back_at_once(redis_client, pool, tenants):
     before, other = _leases(redis_client, pool, "gpu-1-learner", "gpu-2", ttl_s=30)
     _settle([before, other], tenants[:4])

@@ -286,6 +286,29 @@ def test_a_failing_step_backs_its_tenant_off_while_the_others_train(world, tiny_
     assert [lr.tick() for _ in range(3)] == ["acme"] * 3 and lr.tenants["acme"].backoff is None
 
 
+def test_a_tenant_deleted_during_its_step_is_dropped_not_backed_off(world, tiny_model_dir):
+    """Deleting a tenant retires it in the registry first, so its step's version claim is refused
+    (`TenantNotFound`): the learner forgets it, counts no failure, and trains the others on."""
+    from clora.registry import TenantNotFound
+
+    _, reg, _ = world
+    lr = _learner(world, tiny_model_dir, [])
+    claim = reg.claim_version
+
+    def retired_acme(tenant_id, *a, **kw):
+        if tenant_id == "acme":
+            del reg.tenants["acme"]
+            raise TenantNotFound("claiming acme's version 1: tenant 'acme' is being deleted or gone")
+        return claim(tenant_id, *a, **kw)
+
+    reg.claim_version = retired_acme
+    trained = [lr.tick() for _ in range(5)]
+    assert "acme" not in lr.store and "acme" not in lr.tenants
+    assert trained.count("beta") == 3 and trained.count("acme") <= 1
+    assert lr.metrics.registry.get_sample_value("clora_learner_failures_total", {"tenant": "acme"}) is None
+    assert not any("failed" in p for p in reg.history.get("acme", []))
+
+
 def test_publishing_survives_a_broker_outage_and_an_unreadable_live_version(world, tiny_model_dir):
     """The registry holds a version before it is announced (serving polls it); and a live
     folder someone deleted is gated as if nothing were live, not a crash on every step."""
