@@ -55,7 +55,11 @@ def cluster(tiny_model, s3, tmp_path_factory):
                            lease_ttl_s=TTL_S, learner_env={"CLORA_LEARNER_KEEP_VERSIONS": "0"},   # every version stays
                            gateway_env={"CLORA_GATEWAY_TENANT_RATE_PER_S": str(RATE_PER_S),
                                         "CLORA_GATEWAY_TENANT_BURST": str(BURST),
-                                        "CLORA_GATEWAY_ENGINE_REPORT_S": "1"})
+                                        "CLORA_GATEWAY_ENGINE_REPORT_S": "1",
+                                        # 30 checks at once on a loaded 2-core box can wait past the
+                                        # default 0.5 s for Redis, and each gateway then counts on its
+                                        # own (the designed fallback, tested in serving/test_shared_quota)
+                                        "CLORA_GATEWAY_QUOTA_STORE_TIMEOUT_S": "30"})
     with Cluster(config) as c:
         yield c
 
@@ -249,7 +253,9 @@ def test_a_tenants_rate_limit_is_its_total_across_both_gateways(cluster, keys):
     ok = [g for g, status, _ in answers if status == 200]
     limited = [(g, text) for g, status, text in answers if status == 429]
     assert len(ok) + len(limited) == len(answers), [a for a in answers if a[1] not in (200, 429)]
-    assert len(ok) == BURST, f"{len(ok)} of {len(answers)} got through ({ok}); the limit is {BURST} in total"
+    fell_back = [g.name for g in cluster.gateways if "the quota store (Redis) failed" in g.log_path.read_text()]
+    assert len(ok) == BURST, (f"{len(ok)} of {len(answers)} got through ({ok}); the limit is {BURST} in total; "
+                              f"gateways that counted on their own while Redis failed: {fell_back}")
     assert all("requests/s" in text for _, text in limited), limited[:2]
     assert {g for g, _ in limited} == {"gateway-0", "gateway-1"}
 
