@@ -260,13 +260,21 @@ class EngineManager:
         """The replica answered 404 to a request for an adapter it was believed to hold: another
         gateway sharing it unloaded that version (it retired it), or the replica restarted between
         two health checks. Forget it there, so that the next request loads and verifies it again;
-        nothing loaded there counts as verified any more (it may be a new incarnation)."""
+        nothing loaded there counts as verified any more (it may be a new incarnation). A peer
+        that retires a version unloads it from every replica, so it is forgotten on the others
+        too where no request of this gateway is using it (one that is learns it from its own 404):
+        the next request for it loads it, instead of trusting another replica that lost it too."""
         if lease.ref is None:
             return
+        name = lease.ref.name
         lease.replica.resident.forget_verified()
-        if lease.replica.resident.remove(lease.ref.name) is not None:
+        if lease.replica.resident.remove(name) is not None:
             log.warning("%s no longer holds %s (404): it is loaded and verified again on the next request",
-                        lease.replica.describe(), lease.ref.name)
+                        lease.replica.describe(), name)
+        for other in self.replicas:
+            if other is not lease.replica and name in other.resident and other.resident.pins(name) == 0:
+                other.resident.remove(name)
+                other.resident.forget_verified(name)
 
     def _pick(self, ref: AdapterRef | None, exclude: set[int] = frozenset()) -> Replica:
         """Resident first (within `resident_slack` requests of the least loaded), then the least

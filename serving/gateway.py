@@ -67,6 +67,9 @@ from clora.serving.settings import GatewaySettings, tenant_limits
 from clora.serving.traffic import CLIENT_LEFT
 
 TINKER_SCHEME = "tinker://"
+ADAPTER_MISSING_TRIES = 3
+"""How often a request is served before a replica's 404 for its adapter reaches the client
+(`Gateway._serve`)."""
 
 log = logging.getLogger(__name__)
 
@@ -501,16 +504,24 @@ class Gateway:
                      kind: Kind, path: str, started: float, wire: Wire) -> Response:
         """Serve the checked completion request `body` (of `kind`) on the engine's `path`,
         recorded, and answer it through `wire`. A replica that answers 404 for the adapter it was
-        believed to hold (another gateway sharing it unloaded the version, or it restarted between
-        health checks: `Engine.adapter_missing`) is asked once more, after holding again, which
-        loads the adapter where the request goes; the client sees the 404 only if that fails too."""
-        ref = await self.resolve(principal, body["model"])
+        believed to hold (another gateway sharing it retired the version, or it restarted between
+        health checks: `Engine.adapter_missing`) is asked again, up to `ADAPTER_MISSING_TRIES`
+        times in all, after holding again, which loads the adapter where the request goes. A
+        request for the tenant's alias first reads the live version again: a peer retires a
+        version only once a newer one is live, which this gateway may not have swapped to yet.
+        The client sees the 404 only if every try fails."""
+        model = body["model"]
+        ref = await self.resolve(principal, model)
         await self.record_quota.charge(principal.tenant, admitted.recorded_bytes)
         rid = new_response_id(wire.id_kind)
-        try:
-            return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
-        except _AdapterMissing:
-            pass
+        for _ in range(ADAPTER_MISSING_TRIES - 1):
+            try:
+                return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
+            except _AdapterMissing:
+                pass
+            if ref is not None and model == principal.tenant:
+                await self.swapper.reconcile(principal.tenant)
+                ref = await self.swapper.live_ref(principal.tenant)
         try:
             return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
         except _AdapterMissing as e:

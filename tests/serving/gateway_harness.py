@@ -48,9 +48,22 @@ class FakeRegistry:
         return False  # as if another gateway had served it first: nothing to measure here
 
 
+@dataclass
 class FakeSwapper:
+    """Every tenant's alias on version `live`; `reconcile` reads it again from `registry_live`
+    (the registry's live version, which a test moves on)."""
+
+    live: int = LIVE
+    registry_live: int | None = None
+    reconciled: list[str] = field(default_factory=list)
+
     async def live_ref(self, tenant: str) -> AdapterRef:
-        return AdapterRef(tenant, LIVE, f"/adapters/{tenant}/v{LIVE}")
+        return AdapterRef(tenant, self.live, f"/adapters/{tenant}/v{self.live}")
+
+    async def reconcile(self, tenant: str) -> None:
+        self.reconciled.append(tenant)
+        if self.registry_live is not None:
+            self.live = self.registry_live
 
 
 class FakeFuture:
@@ -156,7 +169,7 @@ class Reply:
 class Harness:
     def __init__(self, tmp_path: Path, vllm: Callable[[httpx.Request], Any] = default_vllm, *,
                  producer: FakeProducer | None = None, engine: dict[str, Any] | None = None,
-                 quota_store: QuotaStore | None = None, **gateway: Any):
+                 quota_store: QuotaStore | None = None, swapper: FakeSwapper | None = None, **gateway: Any):
         """`quota_store`: where the quotas count (Redis, shared with other harnesses; default:
         this gateway's memory)."""
         self.upstream: list[tuple[str, dict[str, Any], httpx.Headers]] = []
@@ -178,7 +191,8 @@ class Harness:
         self.producer = producer or FakeProducer()
         self.logger = InteractionLogger(lambda: self.producer, DiskSpool(tmp_path / "spool"), ack_timeout_s=2.0,
                                         retry_s=0.05).start()
-        self.gateway = Gateway(self.settings, FakeRegistry(), self.engine, FakeSwapper(), self.logger,
+        self.swapper = swapper or FakeSwapper()
+        self.gateway = Gateway(self.settings, FakeRegistry(), self.engine, self.swapper, self.logger,
                                quota_store=quota_store)
         self.app = create_app(self.gateway)
 
