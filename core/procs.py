@@ -1,7 +1,7 @@
 """Process helpers any part may use: is a port open, does a URL answer, a free port for a
 service about to start, children that die with their parent, the heartbeat a long-running
 service gives its supervisor, and `ServerThread` (an app on uvicorn in a thread, for tests and
-in-process benchmarks).
+in-process benchmarks), and `tune_gc` for a service's hot path.
 
     beat = Heartbeat.from_env()       # the file `clora up` named in CLORA_HEARTBEAT_FILE, if any
     beat.start_watchdog(60.0)         # exit (code 70) if the loop below stalls for 60 s
@@ -12,6 +12,7 @@ in-process benchmarks).
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -214,3 +215,22 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+GC_THRESHOLDS = (50_000, 20, 100)
+"""The cyclic collector's thresholds in a service that called `tune_gc` (Python's default is
+(700, 10, 10))."""
+
+
+def tune_gc() -> None:
+    """Make the cyclic garbage collector cheap for a long-running service, once its imports and
+    connections are made: those objects go to the permanent generation (`gc.freeze`), so no
+    collection traverses them again, and a young collection waits for 50,000 net allocations
+    instead of 700. A batch of a few thousand parsed events otherwise survives young
+    collections over and over, each of which walks every object still alive: profiled on the
+    ingest worker's join-and-store path, the collector took ~40% of its CPU. Reference counting
+    still frees everything acyclic at once; cycles wait a little longer."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+

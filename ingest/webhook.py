@@ -50,6 +50,7 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 
 from clora.ids import derived_id, is_gateway_interaction_id
+from clora.procs import tune_gc
 from clora.registry import Registry, Tenant, TenantNotFound, fetch_interaction_owners, fetch_multi_choice, sign
 from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, api_key, install_error_handlers
 from clora.ingest.settings import WebhookSettings
@@ -363,4 +364,6 @@ def app_from_env() -> FastAPI:
     platform = PlatformSettings()
     if not platform.kafka_bootstrap or not platform.redis_url:
         raise RuntimeError("CLORA_KAFKA_BOOTSTRAP and CLORA_REDIS_URL must be set for the webhook")
-    return build(WebhookSettings(), platform.kafka_bootstrap, platform.redis_url)
+    app = build(WebhookSettings(), platform.kafka_bootstrap, platform.redis_url)
+    tune_gc()
+    return app

@@ -31,7 +31,7 @@ from kafka.errors import CommitFailedError, KafkaError
 from pydantic import ValidationError
 from pydantic_core import to_json
 
-from clora.procs import Heartbeat
+from clora.procs import Heartbeat, tune_gc
 from clora.settings import kafka_client_kwargs
 from clora.registry import LearningPolicy, Registry, RegistryError
 from clora.reward_spec import RewardSpec
@@ -380,4 +380,6 @@ def main(settings: IngestSettings, kafka_bootstrap: str, redis_url: str, client_
             log.warning("metrics port %s busy (%s); this worker exports no metrics", settings.metrics_port, e)
     heartbeat = Heartbeat.from_env()
     heartbeat.start_watchdog(settings.stall_timeout_s)
-    IngestWorker(settings, kafka_bootstrap, redis_url, client_id=client_id, heartbeat=heartbeat).run(stop)
+    worker = IngestWorker(settings, kafka_bootstrap, redis_url, client_id=client_id, heartbeat=heartbeat)
+    tune_gc()
+    worker.run(stop)
