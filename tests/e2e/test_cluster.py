@@ -211,6 +211,9 @@ def test_corrections_through_both_webhooks_become_a_version_both_replicas_serve_
     want = trainable(traffic.accepted)
     wait_for(lambda: want <= set().union(*trained_events(registry, LEARNS).values()), timeout=180, interval=0.5,
              what=f"every trainable correction of {LEARNS} in a version")
+    # the newest version is recorded a moment before it is made live: read it once it is
+    wait_for(lambda: registry.live_version(LEARNS) == newest_version(registry, LEARNS), timeout=60,
+             what=f"{LEARNS}'s newest version live")
     version = registry.live_version(LEARNS)
     name = served_name(LEARNS, version)
 

@@ -63,7 +63,7 @@ def test_a_tenant_whose_reward_pays_for_empty_replies_is_paused_and_rolled_back(
 
     def feedback(tenant: str, body: dict) -> None:
         r = httpx.post(platform["webhook"] + "/v1/feedback", headers={"Authorization": f"Bearer {keys[tenant]}"},
-                       json=body)
+                       json=body, timeout=60)
         assert r.status_code == 202, r.text
 
     def serve(tenant: str, n: int) -> list:

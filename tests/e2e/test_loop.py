@@ -45,7 +45,7 @@ def test_corrections_train_a_version_that_serving_swaps_in(platform, wait_for):
                                               max_tokens=8, temperature=0)
         fb = httpx.post(platform["webhook"] + "/v1/feedback", headers={"Authorization": f"Bearer {key}"},
                         json={"interaction_id": resp.id, "source": "operator",
-                              "correction": {"role": "assistant", "content": "blue"}})
+                              "correction": {"role": "assistant", "content": "blue"}}, timeout=60)
         assert fb.status_code == 202, fb.text
 
     versions = lambda: httpx.get(f"{platform['console']}/api/tenants/acme/versions", headers=admin).json()

@@ -49,7 +49,7 @@ def test_corrections_thumbs_and_untaken_scores_train_one_auto_tenant(platform, w
                 "unknown_key": {"interaction_id": resp.id, "source": "user", "key": "stars", "score": 4},
                 "untrusted_source": {"interaction_id": resp.id, "source": "environment", "key": "thumbs",
                                      "score": 1}}[kind]
-        fb = httpx.post(platform["webhook"] + "/v1/feedback", headers=hook, json=body)
+        fb = httpx.post(platform["webhook"] + "/v1/feedback", headers=hook, json=body, timeout=60)
         assert fb.status_code == 202, fb.text
         sent[kind] += 1
 

@@ -46,7 +46,7 @@ def test_a_live_version_that_earns_less_than_its_parent_is_rolled_back(platform,
                                               max_tokens=4, temperature=0).id
 
     def feedback(body: dict) -> None:
-        r = httpx.post(platform["webhook"] + "/v1/feedback", headers=auth, json=body)
+        r = httpx.post(platform["webhook"] + "/v1/feedback", headers=auth, json=body, timeout=60)
         assert r.status_code == 202, r.text
 
     # rounds of 4 corrections until two versions exist. A step takes 4 new examples (and no

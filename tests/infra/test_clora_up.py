@@ -39,7 +39,7 @@ def test_clora_up_runs_and_stops_cleanly(tmp_path, wait_for):
         assert "acme" in listing.stdout and key not in listing.stdout
         _versions_through_the_cli(clora, env, ports["CLORA_REDIS_PORT"])
         r = httpx.post(f"http://127.0.0.1:{ports['CLORA_WEBHOOK_PORT']}/v1/feedback",
-                       headers={"Authorization": f"Bearer {key}"}, json={"interaction_id": "x", "score": 1.0})
+                       headers={"Authorization": f"Bearer {key}"}, json={"interaction_id": "x", "score": 1.0}, timeout=60)
         assert r.status_code == 202, r.text
         # clients reuse an idle connection for up to 5 s (httpx, the openai SDK): the servers
         # `clora up` runs must keep it open longer, or a request on it can meet the close

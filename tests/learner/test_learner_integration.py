@@ -36,7 +36,7 @@ def test_corrections_through_the_platform_become_a_published_version(
     records = [{"interaction_id": f"{tenant_id}-{i}", "source": "operator",
                 "correction": {"role": "assistant", "content": "blue"}} for i in range(n)]
     r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers={"Authorization": f"Bearer {key}"},
-                   json={"records": records})
+                   json={"records": records}, timeout=60)
     assert r.status_code == 202
     buf = ReplayBuffer(redis_client)
     wait_for(lambda: buf.depth(tenant_id, "sft") + buf.depth(tenant_id, "sft", heldout=True) == n,

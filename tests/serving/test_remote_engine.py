@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import pytest
 import torch
@@ -94,6 +95,8 @@ def test_a_version_loads_verified_into_a_local_and_a_remote_engine_and_a_wrong_o
                                                                                  engine.replicas)
         assert [await lease_on(refs[1], i) for i in (0, 1)] == [(0, "acme@v1"), (1, "acme@v1")]
 
+        now = [time.monotonic()]                                       # the remote's refusal waits on this clock,
+        attached.refused.clock = lambda: now[0]                        # not on how long the local load takes
         await engine.preload(refs[2])                                  # the remote holds the wrong one
         assert "acme@v2" in local.resident and "acme@v2" not in attached.resident
         [refusal] = engine.report()[1]["refused"]
@@ -102,7 +105,7 @@ def test_a_version_loads_verified_into_a_local_and_a_remote_engine_and_a_wrong_o
         assert await lease_on(refs[2], 1) == (0, "acme@v2")            # v2 avoids the remote ...
         assert await lease_on(refs[1], 1) == (1, "acme@v1")            # ... v1 does not
 
-        await asyncio.sleep(2.2)                                       # past the retry wait: it was unloaded,
+        now[0] += 2.2                                                  # past the retry wait: it was unloaded,
         assert await lease_on(refs[2], 1) == (1, "acme@v2")            # so the retry loads the right folder
         assert engine.report()[1]["refused"] == []
 
