@@ -116,8 +116,16 @@ def test_a_tenant_whose_reward_pays_for_empty_replies_is_paused_and_rolled_back(
     assert len(by_version) <= MAX_VERSIONS
     (bad,) = [v for v in by_version.values() if v["rolled_back"]]
     note, reference = bad["rolled_back"], bad["rolled_back"]["to"]
-    assert note["guard"] == "reward_hacking" and "empty" in note["degraded"]
-    assert note["live_signals"]["empty_rate"] >= 0.75 > note["reference_signals"]["empty_rate"]
+    # the replies collapsed: to empty ones, or first to one short reply said over and over (the
+    # tiny model's steps reach either; the guard acts on whichever signal degrades first)
+    degraded, live_signals, reference_signals = set(note["degraded"]), note["live_signals"], note["reference_signals"]
+    assert note["guard"] == "reward_hacking" and degraded and degraded <= {"empty", "diversity", "length"}, note
+    if "empty" in degraded:
+        assert live_signals["empty_rate"] >= 0.75 > reference_signals["empty_rate"], note
+    if "diversity" in degraded:
+        assert live_signals["diversity"] < reference_signals["diversity"], note
+    if "length" in degraded:
+        assert live_signals["mean_length"] < reference_signals["mean_length"], note
     assert note["live_reward"] > note["reference_reward"]            # the injected reward rose
     assert versions(HACKER)["live"] == reference < bad["version"]
     assert hacker["paused_reason"].startswith(f"reward hacking: v{bad['version']} was rolled back to v{reference}")
