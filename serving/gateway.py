@@ -514,18 +514,17 @@ class Gateway:
         ref = await self.resolve(principal, model)
         await self.record_quota.charge(principal.tenant, admitted.recorded_bytes)
         rid = new_response_id(wire.id_kind)
-        for _ in range(ADAPTER_MISSING_TRIES - 1):
+        tries = 0
+        while True:
+            tries += 1
             try:
                 return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
-            except _AdapterMissing:
-                pass
+            except _AdapterMissing as e:
+                if tries == ADAPTER_MISSING_TRIES:
+                    return _upstream_error(e.status, e.content)
             if ref is not None and model == principal.tenant:
                 await self.swapper.reconcile(principal.tenant)
                 ref = await self.swapper.live_ref(principal.tenant)
-        try:
-            return await self._serve_once(principal, request, body, admitted, kind, path, started, wire, ref, rid)
-        except _AdapterMissing as e:
-            return _upstream_error(e.status, e.content)
 
     async def _serve_once(self, principal: ApiKeyPrincipal, request: Request, body: dict[str, Any],
                           admitted: Admitted, kind: Kind, path: str, started: float, wire: Wire,
