@@ -20,6 +20,7 @@ It shows that:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -240,7 +241,8 @@ def test_corrections_through_both_webhooks_become_a_version_both_replicas_serve_
 
 def test_a_tenants_rate_limit_is_its_total_across_both_gateways(cluster, keys):
     """30 requests at once, 15 at each gateway, on a fresh window: exactly `BURST` get through in
-    total. Each gateway counting on its own would let `BURST` through each (20)."""
+    total (a few more only if the checks outlast the window). Each gateway counting on its own
+    would let `BURST` through each (20)."""
     chat = {"model": QUOTA, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     go = threading.Barrier(3 * BURST)
 
@@ -252,13 +254,21 @@ def test_a_tenants_rate_limit_is_its_total_across_both_gateways(cluster, keys):
         return gateway.name, r.status_code, r.text
 
     with ThreadPoolExecutor(3 * BURST) as pool:
+        started = time.monotonic()
         answers = list(pool.map(one, range(3 * BURST)))
+        spread = time.monotonic() - started
     ok = [g for g, status, _ in answers if status == 200]
     limited = [(g, text) for g, status, text in answers if status == 429]
     assert len(ok) + len(limited) == len(answers), [a for a in answers if a[1] not in (200, 429)]
     fell_back = [g.name for g in cluster.gateways if "the quota store (Redis) failed" in g.log_path.read_text()]
-    assert len(ok) == BURST, (f"{len(ok)} of {len(answers)} got through ({ok}); the limit is {BURST} in total; "
-                              f"gateways that counted on their own while Redis failed: {fell_back}")
+    # The window opens at the first check. Checks still arriving after it ends (a loaded machine
+    # spread them over more than BURST / RATE_PER_S seconds) see the first window's count weighed
+    # down as the next one runs on: RATE_PER_S more a second may then pass, by design.
+    late = max(0.0, spread - BURST / RATE_PER_S)
+    allowed = BURST + math.ceil(RATE_PER_S * late)
+    assert BURST <= len(ok) <= allowed, (
+        f"{len(ok)} of {len(answers)} got through ({ok}); the limit is {BURST} in total ({allowed} with the "
+        f"answers spread over {spread:.1f} s); gateways that counted on their own while Redis failed: {fell_back}")
     assert all("requests/s" in text for _, text in limited), limited[:2]
     assert {g for g, _ in limited} == {"gateway-0", "gateway-1"}
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 def worker_process(stack, redis_url: str, group: str, log_path) -> subprocess.Popen:
     env = {**os.environ, "CLORA_KAFKA_BOOTSTRAP": stack.kafka_bootstrap, "CLORA_REDIS_URL": redis_url,
            "CLORA_INGEST_GROUP_ID": group, "CLORA_INGEST_METRICS_PORT": "0",
-           "CLORA_INGEST_MAX_POLL_RECORDS": "250", "CLORA_INGEST_BUFFER_CAPACITY": "100000"}
+           "CLORA_INGEST_MAX_POLL_RECORDS": "100", "CLORA_INGEST_BUFFER_CAPACITY": "100000"}
     return subprocess.Popen([sys.executable, "-m", "clora.infra.cli", "ingest-worker", "--log-level", "WARNING"],
                             env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
