@@ -255,6 +255,54 @@ def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
 
 # --- training -----------------------------------------------------------------------------
 
+class Arrivals:
+    """The offered load of a training phase: `light` gets 0.75x of the learner's `capacity`
+    (examples/s) and `heavy` `skew`x that, so that both want more than their share. `due` says
+    how many examples a tenant is owed by `now` (seconds from the phase's start) beyond the
+    `start` each got at once."""
+
+    def __init__(self, capacity: float, skew: int, start: int = 0):
+        self.rate = {"light": 0.75 * capacity, "heavy": 0.75 * capacity * skew}
+        self.start = start
+        self.arrived = {name: start for name in TENANTS}
+
+    def due(self, tenant: str, now: float) -> int:
+        n = max(0, self.start + int(self.rate[tenant] * now) - self.arrived[tenant])
+        self.arrived[tenant] += n
+        return n
+
+
+class Tally:
+    """What a training phase gave each tenant, for the simulated and the real learner alike:
+    tokens at the end of each of its steps, and each wait from becoming eligible to being picked."""
+
+    def __init__(self) -> None:
+        self.served: list[Served] = []
+        self.waits: dict[str, list[float]] = {name: [] for name in TENANTS}
+        self._since: dict[str, float] = {}
+
+    def picking(self, views, now: float) -> None:
+        """The scheduler is about to pick among `views` (`TenantView`s) at `now`."""
+        for v in views:
+            if v.eligible:
+                self._since.setdefault(v.id, now)
+            else:
+                self._since.pop(v.id, None)
+
+    def picked(self, tenant: str | None, now: float) -> None:
+        if tenant in self._since:
+            self.waits[tenant].append(now - self._since.pop(tenant))
+
+    def trained(self, tenant: str, at: float, tokens: int) -> None:
+        self.served.append(Served(at, tenant, tokens))
+
+    def phase(self, mode: str, offered: dict[str, int], seconds: float) -> Phase:
+        """The phase's numbers, over sliding windows of a third of its `seconds` after a warm-up."""
+        window = seconds / 3
+        return summarize(mode, self.served, offered, self.waits, warmup=window / 2, end=seconds, window=window,
+                         step=window / 20)
+
+
 def run_learner(config: FairnessBenchConfig, fair: bool) -> Phase:
     """Simulated training: examples arrive at fixed rates, the scheduler picks, each step costs
     the model's seconds; tokens counted at each step's end."""
@@ -265,44 +313,31 @@ def run_learner(config: FairnessBenchConfig, fair: bool) -> Phase:
     sched = Scheduler(clock=lambda: clock[0], **({} if fair else {"full_backlog": None}))
     mean_tokens = 128  # examples of 32..224 tokens
     step_s = config.step_fixed_s + config.step_per_token_s * config.batch_size * mean_tokens
-    capacity = config.batch_size / step_s  # examples/s the learner trains
-    rate = {"light": 0.75 * capacity, "heavy": 0.75 * capacity * config.skew}  # light alone > half
+    arrivals = Arrivals(config.batch_size / step_s, config.skew)  # capacity: examples/s the learner trains
     backlog: dict[str, list[int]] = {name: [] for name in TENANTS}
-    arrived = {name: 0.0 for name in TENANTS}
     offered = {name: 0 for name in TENANTS}
-    served: list[Served] = []
-    waits: dict[str, list[float]] = {name: [] for name in TENANTS}
-    eligible_since: dict[str, float] = {}
+    tally = Tally()
     end = config.learner_minutes * 60
     while clock[0] < end:
         for name in TENANTS:  # arrivals up to now
-            due = int(rate[name] * clock[0]) - int(arrived[name])
-            for _ in range(due):
+            for _ in range(arrivals.due(name, clock[0])):
                 n = rng.randint(32, 224)
                 backlog[name].append(n)
                 offered[name] += n
-            arrived[name] += due
         views = [TenantView(name, False, 1.0, 0, 1, len(backlog[name])) for name in TENANTS]
-        for v in views:
-            if v.waiting and v.id not in eligible_since:
-                eligible_since[v.id] = clock[0]
+        tally.picking(views, clock[0])
         tenant = sched.pick(views).tenant
         if tenant is None:
             clock[0] += 0.1
             continue
+        tally.picked(tenant, clock[0])
         batch, backlog[tenant] = backlog[tenant][: config.batch_size], backlog[tenant][config.batch_size:]
         tokens = sum(batch)
         seconds = config.step_fixed_s + config.step_per_token_s * tokens
-        waits[tenant].append(clock[0] - eligible_since.pop(tenant))
         clock[0] += seconds
-        served.append(Served(clock[0], tenant, tokens))
-        if fair:
-            sched.record(tenant, seconds, tokens=tokens)
-        else:
-            sched.record(tenant, seconds)
-    window = end / 3
-    return summarize("fair" if fair else "baseline", served, offered, waits, warmup=window / 2, end=end,
-                     window=window, step=window / 20)
+        tally.trained(tenant, clock[0], tokens)
+        sched.record(tenant, seconds, tokens=tokens if fair else None)
+    return tally.phase("fair" if fair else "baseline", offered, end)
 
 
 WORDS = ("red", "blue", "green", "stone", "river", "cloud", "seven", "lamp", "north", "quiet", "paper", "bright")
@@ -405,9 +440,7 @@ class RealLearner:
         c = self.config
         learner = self.learner("fair" if fair else "baseline")
         sched = learner.scheduler
-        served: list[Served] = []
-        waits: dict[str, list[float]] = {name: [] for name in TENANTS}
-        eligible_since: dict[str, float] = {}
+        tally = Tally()
         t0 = time.monotonic()
         record, pick = sched.record, sched.pick
         if not fair:
@@ -415,39 +448,26 @@ class RealLearner:
 
         def recorded(tenant, seconds, tokens=None):
             if tokens is not None and tenant in TENANTS:
-                served.append(Served(time.monotonic() - t0, tenant, tokens))
+                tally.trained(tenant, time.monotonic() - t0, tokens)
             record(tenant, seconds, tokens=tokens if fair else None)
 
         def picked(views):
-            now = time.monotonic()
-            for v in views:
-                if v.eligible:
-                    eligible_since.setdefault(v.id, now)
-                else:
-                    eligible_since.pop(v.id, None)
-            d = pick(views)
-            if d.tenant in eligible_since:
-                waits[d.tenant].append(now - eligible_since.pop(d.tenant))
-            return d
+            now = time.monotonic() - t0
+            tally.picking(views, now)
+            decision = pick(views)
+            tally.picked(decision.tenant, now)
+            return decision
 
         sched.record, sched.pick = recorded, picked
-        rate = {"light": 0.75 * capacity, "heavy": 0.75 * capacity * c.skew}
-        offered = {name: 0 for name in TENANTS}
-        arrived = {name: 0 for name in TENANTS}
-        for name in TENANTS:        # a step's worth each to start
-            offered[name] += self.offer(name, c.batch_size)
-            arrived[name] = c.batch_size
+        arrivals = Arrivals(capacity, c.skew, start=c.batch_size)
+        offered = {name: self.offer(name, c.batch_size) for name in TENANTS}    # a step's worth each to start
         while (now := time.monotonic() - t0) < c.learner_seconds:
             for name in TENANTS:
-                due = c.batch_size + int(rate[name] * now) - arrived[name]
-                if due > 0:
+                if due := arrivals.due(name, now):
                     offered[name] += self.offer(name, due)
-                    arrived[name] += due
             learner.tick()
         learner.shutdown()
-        window = c.learner_seconds / 3
-        return summarize(("fair" if fair else "baseline") + " (real learner)", served, offered, waits,
-                         warmup=window / 2, end=c.learner_seconds, window=window, step=window / 20)
+        return tally.phase(("fair" if fair else "baseline") + " (real learner)", offered, c.learner_seconds)
 
 
 def run_real_learner(config: FairnessBenchConfig, console: Console) -> list[Phase]:
