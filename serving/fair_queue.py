@@ -41,6 +41,7 @@ The queue is per gateway process: with several gateway instances in front of one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -142,7 +143,8 @@ class FairQueue:
             if waiter.future.done() and not waiter.future.cancelled():
                 self.release(waiter.future.result())  # sent just as it was cancelled: give it back
             else:
-                lane.waiting.remove(waiter)
+                with contextlib.suppress(ValueError):   # `_send` may have passed it over already
+                    lane.waiting.remove(waiter)
                 self._forget_if_idle(tenant)
                 self._send()  # the head it blocked may fit now
             raise
@@ -162,6 +164,11 @@ class FairQueue:
     def _send(self) -> None:
         """Send heads in fair order while the next one fits."""
         while True:
+            for lane in self._lanes.values():
+                # cancelled: its future is done at once, but its task leaves the queue only when it
+                # next runs, maybe after this release; it must not be sent (nor block the order)
+                while lane.waiting and lane.waiting[0].future.done():
+                    lane.waiting.popleft()
             lanes = [lane for lane in self._lanes.values() if lane.waiting]
             if not lanes:
                 return

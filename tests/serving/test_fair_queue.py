@@ -170,6 +170,52 @@ def test_a_request_sent_just_as_it_is_cancelled_gives_its_sequences_back():
     assert late.cancelled() and q.in_flight == 0 and q.waiting() == 0
 
 
+def test_a_request_cancelled_just_before_a_release_is_skipped_not_sent():
+    """Cancelling a waiting request cancels its future at once, but it leaves the queue only when
+    its task next runs. A release in between (another request ending) must pass it over, not
+    send it: sending it raised in the releasing request and kept the sequence in flight forever,
+    shrinking the queue for every tenant."""
+    async def go():
+        c = Clients(FairQueue(1))
+        c.offer("a")
+        await settle()
+        gone, other = c.offer("b"), c.offer("c")
+        await settle()
+        gone.cancel()             # b's future is cancelled now, its task has not run yet ...
+        c.q.release(c.sent[0])    # ... when a's request ends
+        await settle()
+        assert gone.cancelled() and c.order() == ["a", "c"] and c.q.in_flight == 1 and c.q.waiting() == 0
+        await c.finish_oldest()
+        return other, c.q
+
+    other, q = asyncio.run(go())
+    assert other.done() and q.in_flight == 0 and q.waiting() == 0 and q.free == q.capacity
+
+
+def test_many_requests_cancelled_at_once_leave_the_queue_whole():
+    """Every waiting request cancelled in one go (a shutdown, many clients gone), with releases
+    among them: nothing raises, and every sequence comes back."""
+    async def go():
+        c = Clients(FairQueue(2))
+        for tenant in "aabbccdd":
+            c.offer(tenant)
+        await settle()
+        waiting = [t for t in c.tasks if not t.done()]
+        for task in waiting[:3]:
+            task.cancel()
+        await c.finish_oldest()
+        for task in waiting[3:]:
+            task.cancel()
+        await c.finish_oldest()
+        await c.finish_oldest()
+        await settle()
+        errors = [t.exception() for t in c.tasks if t.done() and not t.cancelled() and t.exception()]
+        return errors, c.q
+
+    errors, q = asyncio.run(go())
+    assert errors == [] and q.in_flight == 0 and q.waiting() == 0
+
+
 def test_a_wide_request_is_not_starved_by_narrow_ones():
     async def go():
         c = Clients(FairQueue(4))
