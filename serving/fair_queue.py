@@ -19,6 +19,21 @@ Worked example, capacity 2, weights 1, every request max_tokens 10: A sends 4 re
 sends 1. A's first two go at once (A's pass 0 -> 10 -> 20); A's 3rd and 4th and B's wait, B
 starting at virtual time 10. When a sequence frees, B (pass 10) goes before A (pass 20).
 
+**Shares while others want theirs.** Fair order alone is not enough when requests differ in
+length: a tenant with nothing waiting at the moment a slot frees (its clients are between two
+requests, a round trip away) loses that slot to the others, and a long request holds it for its
+whole generation. Closed-loop clients of short requests are between requests at exactly those
+moments, so under a 10:1 skew the heavy tenant ends up with most slots. So while several tenants
+are active, none holds more than its weighted share of the sequences, rounded up:
+
+    in_flight[t] + n <= ceil(capacity x weight[t] / sum of the active tenants' weights)
+
+(a tenant with nothing in flight may always send one request). A tenant is active while it has
+requests waiting, and for `grace_s` after one of its requests ended: the time its clients take to
+send the next. Requests in flight alone do not make it active (it wants nothing more now). A slot
+left free for an active tenant's sake is held that long at most: a timer sends the next request
+when the grace runs out.
+
 No tenant waits unboundedly: each send raises the sender's pass by at least 1 / weight while a
 waiting tenant's pass stays put, so it is the smallest after a bounded number of sends; and
 the order is strict (when the chosen head needs more sequences than are free, nothing overtakes
@@ -44,6 +59,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -90,20 +106,32 @@ class TenantLane:
     waiting: deque[_Waiter] = field(default_factory=deque)
     in_flight: int = 0
     """Sequences sent and not yet released."""
+    active_until: float = float("-inf")
+    """When its last request ended plus the queue's `grace_s`: it counts as active until then."""
 
     def idle(self) -> bool:
         return not self.waiting and not self.in_flight
+
+    def active(self, now: float) -> bool:
+        """Wants more: requests waiting, or one ended within the grace (its client about to send
+        the next). Requests in flight alone do not count: a tenant with nothing more to send holds
+        no share back from the others."""
+        return bool(self.waiting) or now < self.active_until
 
 
 class FairQueue:
     """At most `capacity` engine sequences in flight; the rest wait, served in weighted fair
     order over tokens. `admit` waits for a `Ticket`; `release` gives it back."""
 
-    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic, grace_s: float = 0.0):
         if capacity < 1:
             raise ValueError(f"a fair queue needs a capacity of at least 1 sequence, got {capacity}")
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         self.capacity = capacity
         self.clock = clock
+        self.grace_s = grace_s
+        self._timer: asyncio.TimerHandle | None = None
         self.vtime = 0.0
         """The pass at which the last request was sent: where a tenant that starts waiting starts."""
         self.in_flight = 0
@@ -156,23 +184,35 @@ class FairQueue:
         lane = self._lanes.get(ticket.tenant)
         if lane is not None:
             lane.in_flight -= ticket.sequences
+            lane.active_until = self.clock() + self.grace_s
             if ticket.generated is not None:
                 lane.pass_ += (ticket.generated - ticket.cost) / ticket.weight
             self._forget_if_idle(ticket.tenant)
         self._send()
 
     def _send(self) -> None:
-        """Send heads in fair order while the next one fits."""
+        """Send heads in fair order while the next one fits, each tenant within its share."""
         while True:
-            for lane in self._lanes.values():
+            now = self.clock()
+            for tenant, lane in list(self._lanes.items()):
                 # cancelled: its future is done at once, but its task leaves the queue only when it
                 # next runs, maybe after this release; it must not be sent (nor block the order)
                 while lane.waiting and lane.waiting[0].future.done():
                     lane.waiting.popleft()
-            lanes = [lane for lane in self._lanes.values() if lane.waiting]
+                if lane.idle() and lane.pass_ <= self.vtime and not lane.active(now):
+                    del self._lanes[tenant]     # its grace is over and it owes nothing
+            active = [lane for lane in self._lanes.values() if lane.active(now)]
+            total_weight = sum(lane.weight for lane in active)
+            lanes = sorted((lane for lane in self._lanes.values() if lane.waiting),
+                           key=lambda lane: (lane.pass_, lane.waiting[0].order))
             if not lanes:
                 return
-            lane = min(lanes, key=lambda lane: (lane.pass_, lane.waiting[0].order))
+            within = [lane for lane in lanes if lane.in_flight == 0 or lane.in_flight + lane.waiting[0].sequences
+                      <= math.ceil(self.capacity * lane.weight / total_weight - 1e-9)]
+            if not within:
+                self._wake_at_grace_end(now, active)   # the free slots wait for active tenants' share
+                return
+            lane = within[0]
             head = lane.waiting[0]
             if head.sequences > self.free:
                 return  # strict order: nothing overtakes the chosen head
@@ -184,11 +224,20 @@ class FairQueue:
             head.future.set_result(Ticket(head.tenant, head.sequences, head.cost, lane.weight,
                                           self.clock() - head.queued_at))
 
+    def _wake_at_grace_end(self, now: float, active: list[TenantLane]) -> None:
+        """Send again once the first grace runs out, when a tenant idle in it stops holding its share."""
+        ends = [lane.active_until for lane in active if not lane.waiting]
+        if not ends or self.free <= 0:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, min(ends) - now), self._send)
+
     def _forget_if_idle(self, tenant: str) -> None:
         """Drop an idle tenant's lane once it owes nothing (it would restart at `vtime` anyway);
         keeps the lanes bounded by the tenants active recently."""
         lane = self._lanes.get(tenant)
-        if lane is not None and lane.idle() and lane.pass_ <= self.vtime:
+        if lane is not None and lane.idle() and lane.pass_ <= self.vtime and not lane.active(self.clock()):
             del self._lanes[tenant]
 
 

@@ -216,6 +216,95 @@ def test_many_requests_cancelled_at_once_leave_the_queue_whole():
     assert errors == [] and q.in_flight == 0 and q.waiting() == 0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def in_flight(q: FairQueue) -> dict[str, int]:
+    return {tenant: lane.in_flight for tenant, lane in q._lanes.items() if lane.in_flight}
+
+
+def finish(c: Clients, tenant: str, generated: int | None = None) -> None:
+    """End `tenant`'s oldest request in flight (no settle: the caller decides what runs next)."""
+    t = next(t for t in c.sent if t.tenant == tenant and not getattr(t, "released", False))
+    t.generated, t.released = generated, True
+    c.q.release(t)
+
+
+def test_while_both_want_more_neither_holds_more_than_its_share_however_long_its_requests():
+    """a's long requests took every slot while it was alone; once b waits too, each slot a frees
+    goes to b until both hold their share (2 of 4), and a's next requests wait for a's own slots."""
+    async def go():
+        c = Clients(FairQueue(4, clock=FakeClock(), grace_s=1.0))
+        for _ in range(6):
+            c.offer("a", cost=100)
+        await settle()
+        assert in_flight(c.q) == {"a": 4}          # alone: the whole engine
+        for _ in range(6):
+            c.offer("b", cost=10)
+        await settle()
+        shares = []
+        for _ in range(3):
+            finish(c, "a", 100)
+            await settle()
+            shares.append(in_flight(c.q))
+        return shares
+
+    assert asyncio.run(go()) == [{"a": 3, "b": 1}, {"a": 2, "b": 2}, {"a": 2, "b": 2}]
+
+
+def test_a_tenant_between_requests_keeps_its_share_for_its_grace_and_no_longer():
+    """b (short requests) ends one and has nothing waiting: within its grace the free slot is not
+    given to a, which already holds its share; b's next request takes it. Once the grace is over,
+    a may take it."""
+    async def go():
+        clock = FakeClock()
+        c = Clients(FairQueue(2, clock=clock, grace_s=1.0))
+        c.offer("a", cost=100)
+        c.offer("b", cost=10)
+        c.offer("a", cost=100)
+        await settle()
+        assert in_flight(c.q) == {"a": 1, "b": 1} and c.q.waiting("a") == 1
+        finish(c, "b", 10)
+        await settle()
+        held = (in_flight(c.q), c.q.free)            # a waits although a slot is free
+        clock.now += 0.5
+        c.offer("b", cost=10)                        # b's client is back within its grace
+        await settle()
+        back = in_flight(c.q)
+        finish(c, "b", 10)
+        clock.now += 2.0                             # b sends nothing more: its grace runs out
+        c.offer("c", cost=10)                        # (any event; the queue's timer also sends)
+        await settle()
+        return held, back, in_flight(c.q)
+
+    held, back, after = asyncio.run(go())
+    assert held == ({"a": 1}, 1)
+    assert back == {"a": 1, "b": 1}
+    assert after == {"a": 1, "c": 1}, "c came first in fair order; a's second request still waits its turn"
+
+
+def test_when_a_tenants_grace_runs_out_its_held_slot_is_sent_without_another_event():
+    async def go():
+        c = Clients(FairQueue(2, grace_s=0.05))       # the real clock: the queue's own timer
+        c.offer("a", cost=100)
+        c.offer("b", cost=10)
+        waiting = c.offer("a", cost=100)
+        await settle()
+        finish(c, "b", 10)
+        await settle()
+        assert not waiting.done()                     # held for b
+        ticket = await asyncio.wait_for(waiting, timeout=30)
+        return ticket, c.q
+
+    ticket, q = asyncio.run(go())
+    assert ticket.tenant == "a" and q.in_flight == 2
+
+
 def test_a_wide_request_is_not_starved_by_narrow_ones():
     async def go():
         c = Clients(FairQueue(4))
