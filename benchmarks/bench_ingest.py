@@ -15,6 +15,11 @@ record to join, then measures:
   over the ingest workers), as a platform with many tenants sees it;
 - ceiling: the same example payloads written straight to Redis (pipelined HSET+ZADD).
 
+Where the machine's time goes: each run also reads the CPU time (user + system, from the
+kernel's per-process accounting) of the webhook, the ingest workers, the broker, Redis and this
+load generator, and reports it per 1,000 events beside the core-seconds the run had (`cpu` in
+the JSON, a second table): the stages share the machine's cores, so their sum bounds the rate.
+
 Accept-to-buffer latency of an event = the time its examples were written (the score the
 worker stores with its event id) minus the time the client got its 202. The tenants' quotas
 are lifted far above the load (still charged on every request): the bench measures the
@@ -36,6 +41,7 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import psutil
 import redis
 
 from clora.registry import Registry
@@ -133,8 +139,49 @@ async def post_paced(url: str, payloads: list[tuple[str, list[str], dict]], per_
     return accepted, errors
 
 
+class CpuTimes:
+    """CPU seconds (user + system) used by each role's processes and their children (`alone`:
+    without them, for this process, the parent of all the others): `read()` -> {"webhook": 12.3,
+    ...}; a process gone since counts what it had last."""
+
+    def __init__(self, roles: dict[str, list[int]], alone: tuple[str, ...] = ()):
+        self.roles = {role: [psutil.Process(pid) for pid in pids] for role, pids in roles.items()}
+        self.alone = alone
+        self._last: dict[int, float] = {}
+
+    def _seconds(self, proc: psutil.Process, children: bool) -> float:
+        total = 0.0
+        for p in [proc, *(self._children(proc) if children else [])]:
+            try:
+                t = p.cpu_times()
+                self._last[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+            total += self._last.get(p.pid, 0.0)
+        return total
+
+    @staticmethod
+    def _children(proc: psutil.Process) -> list[psutil.Process]:
+        try:
+            return proc.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def read(self) -> dict[str, float]:
+        return {role: sum(self._seconds(p, role not in self.alone) for p in procs) for role, procs in self.roles.items()}
+
+
+def cpu_per_kevent(before: dict[str, float], after: dict[str, float], events: int, wall_s: float) -> dict:
+    """CPU ms per 1,000 events of each role and in all, and the core-seconds the run had."""
+    used = {role: after[role] - before[role] for role in after}
+    out = {role: 1000 * 1000 * v / max(1, events) for role, v in used.items()}
+    out["all"] = sum(out.values())
+    out["cores_busy"] = sum(used.values()) / wall_s if wall_s > 0 else float("nan")
+    return out
+
+
 def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, list[str]]], batch: int,
-             concurrency: int, paced_events_per_s: float | None = None) -> dict:
+             concurrency: int, paced_events_per_s: float | None = None, cpu: CpuTimes | None = None) -> dict:
     """One load run over (tenant, api key, interaction ids) triples; the tenants' requests
     are interleaved. Closed loop with `concurrency` clients, or, given `paced_events_per_s`,
     open loop at that many events a second."""
@@ -152,6 +199,7 @@ def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, 
     n_records = sum(len(ids) for _, ids, _ in payloads)
     owner = {e: tenant for (tenant, _, _), group in zip(tenants, per_tenant) for _, ids, _ in group for e in ids}
     seen_before = {tenant: r.zcard(f"clora:t:{{{tenant}}}:seen") for tenant, _, _ in tenants}
+    cpu_before = cpu.read() if cpu else None
     t0 = time.time()
     accepted, errors = asyncio.run(post_all(url, payloads, concurrency) if paced_events_per_s is None
                                    else post_paced(url, payloads, paced_events_per_s / batch))
@@ -159,6 +207,7 @@ def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, 
     ok = all(wait_seen(r, tenant, seen_before[tenant] + sum(1 for e in accepted if owner[e] == tenant), timeout=300)
              for tenant, _, _ in tenants)
     t_all = time.time() - t0
+    cpu_used = cpu_per_kevent(cpu_before, cpu.read(), len(accepted), t_all) if cpu else None
     scores: dict[str, float | None] = {}
     for tenant, _, _ in tenants:
         mine = [e for e in accepted if owner[e] == tenant]
@@ -169,15 +218,18 @@ def run_mode(name: str, url: str, r: redis.Redis, tenants: list[tuple[str, str, 
             "paced_events_per_s": paced_events_per_s,
             "accepted": len(accepted), "retried_errors": errors, "lost": lost, "all_stored": ok,
             "accept_events_per_s": len(accepted) / t_accept, "end_to_end_events_per_s": len(accepted) / t_all,
-            "p50_accept_to_buffer_ms": 1000 * pct(lat, 0.5), "p99_accept_to_buffer_ms": 1000 * pct(lat, 0.99)}
+            "p50_accept_to_buffer_ms": 1000 * pct(lat, 0.5), "p99_accept_to_buffer_ms": 1000 * pct(lat, 0.99),
+            "cpu_ms_per_1000_events": cpu_used}
 
 
-def redis_ceiling(r: redis.Redis, n: int) -> dict:
+def redis_ceiling(r: redis.Redis, n: int, redis_pid: int | None = None) -> dict:
     """Raw Redis write rate with the same example payload (HSET + ZADD per example, pipelined)."""
     body = json.dumps({"example_id": "x", "messages": [{"role": "user", "content": "What is 17*3?"}],
                        "response": {"role": "assistant", "content": "51"}, "reward": 1.0,
                        "completion_token_ids": [1, 2, 3], "behaviour_logprobs": [-0.1, -0.2, -0.3]})
     tag = uuid.uuid4().hex[:6]
+    server = psutil.Process(redis_pid) if redis_pid else None
+    cpu0 = (psutil.Process().cpu_times(), server.cpu_times() if server else None)
     t0 = time.time()
     pipe = r.pipeline(transaction=False)
     for i in range(n):
@@ -187,9 +239,14 @@ def redis_ceiling(r: redis.Redis, n: int) -> dict:
             pipe.execute()
     pipe.execute()
     dt = time.time() - t0
+    me, srv = psutil.Process().cpu_times(), server.cpu_times() if server else None
+    cpu = {"bench": 1e6 * (me.user + me.system - cpu0[0].user - cpu0[0].system) / n}
+    if srv is not None:
+        cpu["redis"] = 1e6 * (srv.user + srv.system - cpu0[1].user - cpu0[1].system) / n
+    cpu["all"] = sum(cpu.values())
     r.delete(f"ceiling:{{{tag}}}:ex", f"ceiling:{{{tag}}}:buf")
     return {"mode": "redis ceiling", "events": n, "batch": 1000, "concurrency": 1, "accepted": n,
-            "accept_events_per_s": n / dt, "end_to_end_events_per_s": n / dt}
+            "accept_events_per_s": n / dt, "end_to_end_events_per_s": n / dt, "cpu_ms_per_1000_events": cpu}
 
 
 TARGETS = {"single_events_per_s": 2000, "p99_accept_to_buffer_ms": 250, "batch_vs_redis": 0.5}
@@ -280,14 +337,17 @@ def main() -> None:
         if not all(wait_seen(r, t, len(ids), timeout=300) for t, _, ids in [(tenant, key, iids), *others]):
             raise SystemExit("the ingest workers did not store the interactions in time")
         url = f"http://127.0.0.1:{port}"
-        rows = [redis_ceiling(r, 50_000)]
+        cpu = CpuTimes({"webhook": [procs[0].pid], "ingest": [p.pid for p in procs[1:]],
+                        "broker": [stack.processes["broker"].pid], "redis": [stack.processes["redis"].pid],
+                        "bench": [os.getpid()]}, alone=("bench",))
+        rows = [redis_ceiling(r, 50_000, stack.processes["redis"].pid)]
         print(f"single-record run: {args.events} records, {args.concurrency} clients ...", flush=True)
-        rows.append(run_mode("single", url, r, [(tenant, key, iids[:args.events])], 1, args.concurrency))
+        rows.append(run_mode("single", url, r, [(tenant, key, iids[:args.events])], 1, args.concurrency, cpu=cpu))
         print(f"batched run: {args.batch_events} records in batches of 500 ...", flush=True)
-        rows.append(run_mode("batch", url, r, [(tenant, key, iids[args.events:])], 500, 4))
+        rows.append(run_mode("batch", url, r, [(tenant, key, iids[args.events:])], 500, 4, cpu=cpu))
         if others:
             print(f"batched run over {len(others)} tenants, {args.ingest_workers} ingest workers ...", flush=True)
-            rows.append(run_mode(f"batch x{len(others)}", url, r, others, 500, 4))
+            rows.append(run_mode(f"batch x{len(others)}", url, r, others, 500, 4, cpu=cpu))
         if args.paced_load > 0:
             single_rate = args.paced_load * rows[1]["accept_events_per_s"]
             batch_rate = args.paced_load * rows[2]["end_to_end_events_per_s"]
@@ -300,7 +360,8 @@ def main() -> None:
                 raise SystemExit("the ingest workers did not store the interactions in time")
             for name, batch, rate in paced:
                 print(f"{name} run: {n[name]} records in requests of {batch} at {rate:.0f} events/s ...", flush=True)
-                rows.append(run_mode(name, url, r, [(tenant, key, more[:n[name]])], batch, 0, paced_events_per_s=rate))
+                rows.append(run_mode(name, url, r, [(tenant, key, more[:n[name]])], batch, 0, paced_events_per_s=rate,
+                                     cpu=cpu))
                 more = more[n[name]:]
     finally:
         for p in procs:
@@ -316,6 +377,13 @@ def main() -> None:
               f"{row['end_to_end_events_per_s'] / ceiling:>10.2f}{row.get('p50_accept_to_buffer_ms', float('nan')):>9.1f}"
               f"{row.get('p99_accept_to_buffer_ms', float('nan')):>9.1f}{row.get('lost', 0):>6}"
               f"{row.get('retried_errors', 0):>9}")
+    roles = ("webhook", "ingest", "broker", "redis", "bench")
+    print(f"\nCPU ms per 1,000 events (cores busy: CPU seconds used / wall seconds; {os.cpu_count()} cores)")
+    print(f"{'mode':<14}" + "".join(f"{role:>9}" for role in (*roles, "all")) + f"{'cores busy':>12}")
+    for row in rows:
+        c = row.get("cpu_ms_per_1000_events") or {}
+        print(f"{row['mode']:<14}" + "".join(f"{c[k]:>9.1f}" if k in c else f"{'-':>9}" for k in (*roles, "all"))
+              + (f"{c['cores_busy']:>12.2f}" if "cores_busy" in c else f"{'-':>12}"))
     results = checks(rows)
     print(f"\n{'check':<34}{'target':>20}{'measured':>12}  result")
     for c in results:
