@@ -255,7 +255,8 @@ async function renderTenant(id, first) {
         el("p", { class: "muted" }, "For the Tinker-compatible training API: the official tinker SDK trains LoRA runs as this tenant with one (TINKER_API_KEY)."),
         el("div", { id: "tinker-keys-slot" }), el("div", { id: "new-tinker-key" })),
       el("section", { class: "card" }, el("h2", {}, "Recent feedback"), el("div", { id: "feedback-slot" })),
-      el("section", { class: "card" }, el("h2", {}, "Replay buffers"), el("div", { id: "buffers-slot" })));
+      el("section", { class: "card" }, el("h2", {}, "Replay buffers"), el("div", { id: "buffers-slot" })),
+      el("section", { class: "card danger" }, el("h2", {}, "Delete tenant"), deleteForm(id)));
   }
   document.getElementById("tenant-title").textContent = `${t.id} ${t.name ? "— " + t.name : ""}`;
   document.getElementById("tenant-head").replaceChildren(
@@ -403,6 +404,25 @@ function policyForm(id, p) {
       "reward spec (JSON)", el("textarea", { name: "reward_spec", rows: 4, cols: 48, spellcheck: "false" },
         p.reward_spec ? JSON.stringify(p.reward_spec) : "")),
     el("button", { type: "submit" }, "Save"), msg);
+  return form;
+}
+
+// deleting is for good (adapters, buffers, keys, checkpoints): the operator types the id to confirm
+function deleteForm(id) {
+  const input = el("input", { name: "confirm", placeholder: id, autocomplete: "off", "aria-label": "tenant id to confirm" });
+  const button = el("button", { type: "submit", id: "delete-tenant-btn", disabled: "" }, "Delete");
+  input.addEventListener("input", () => { button.disabled = input.value !== id; });
+  const form = el("form", { id: "delete-tenant" },
+    el("p", { class: "muted" }, "Deletes the tenant for good: its adapter versions, replay buffers, API and Tinker keys and training checkpoints. Type its id to confirm."),
+    input, " ", button);
+  form.addEventListener("submit", async ev => {
+    ev.preventDefault();
+    if (input.value !== id) return;
+    try {
+      await api(`/tenants/${encodeURIComponent(id)}`, { method: "DELETE" });
+      location.hash = "#/";
+    } catch (e) { showError(e); }
+  });
   return form;
 }
 

@@ -292,6 +292,27 @@ def test_the_tenant_page_issues_a_tinker_key_shown_once_and_revokes_it(page, reg
     assert registry.authenticate_tinker(key) is None
 
 
+def test_the_tenant_page_deletes_the_tenant_once_its_id_is_typed(page, registry, tenant_id):
+    from clora.registry import TenantNotFound
+
+    _, key = registry.create_tenant(tenant_id, name="To delete")
+    page.goto(page.url.split("#")[0] + f"#/tenant/{tenant_id}")
+    button = page.wait_for_selector("#delete-tenant-btn")
+    assert button.is_disabled()
+    page.fill("#delete-tenant input[name=confirm]", tenant_id[:-1])
+    assert button.is_disabled(), "a near miss must not arm the button"
+    page.fill("#delete-tenant input[name=confirm]", tenant_id)
+    assert button.is_enabled()
+    shot(page, "tenant-delete")
+    button.click()
+    page.wait_for_url(re.compile(r"#/$"))          # back to the overview
+    page.wait_for_selector("#tenants")
+    assert page.query_selector(f"tr[data-tenant='{tenant_id}']") is None
+    with pytest.raises(TenantNotFound):
+        registry.get_tenant(tenant_id)
+    assert registry.authenticate(key) is None
+
+
 def test_hostile_text_is_escaped(page, stack, registry, webhook, ingest_worker, tenant_id):
     _, key = registry.create_tenant(tenant_id, name=XSS)
     registry.claim_interaction(f"{tenant_id}-x", tenant_id)
