@@ -42,12 +42,13 @@ Prints a table and writes JSON (`out`, default bench-results/fairness.json).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -109,13 +110,18 @@ def jain(xs: list[float]) -> float:
 
 def sliding_jain(served: list[Served], start: float, end: float, window: float, step: float = 1.0) -> list[float]:
     """Jain's index of tokens per tenant in each window [t, t + window) from `start` to `end`."""
+    times: dict[str, list[float]] = {name: [] for name in TENANTS}
+    sums: dict[str, list[int]] = {name: [0] for name in TENANTS}      # tokens before each point
+    for s in sorted(served, key=lambda s: s.at):
+        times[s.tenant].append(s.at)
+        sums[s.tenant].append(sums[s.tenant][-1] + s.tokens)
+
+    def tokens(name: str, a: float, b: float) -> int:
+        return sums[name][bisect.bisect_left(times[name], b)] - sums[name][bisect.bisect_left(times[name], a)]
+
     out, t = [], start
     while t + window <= end + 1e-9:
-        per = {name: 0 for name in TENANTS}
-        for s in served:
-            if t <= s.at < t + window:
-                per[s.tenant] += s.tokens
-        out.append(jain(list(per.values())))
+        out.append(jain([tokens(name, t, t + window) for name in TENANTS]))
         t += step
     return out
 
@@ -133,10 +139,17 @@ class Phase:
     tokens_per_s: float
     errors: int = 0
     first_error: str | None = None
+    jain_min_by_window: dict[str, float] = field(default_factory=dict)
+    """The worst window's index at other window lengths too ("20 s": 0.94, ...): the short ones
+    show how lumpy the shares are, the long ones what the target's window sees."""
 
     @property
     def jain_min(self) -> float:
         return min(self.jain_windows) if self.jain_windows else float("nan")
+
+
+OTHER_WINDOWS_S = (20.0, 60.0, 300.0)
+"""Window lengths whose worst index is also reported beside the configured one's."""
 
 
 def summarize(mode: str, served: list[Served], offered: dict[str, int], waits: dict[str, list[float]],
@@ -144,9 +157,11 @@ def summarize(mode: str, served: list[Served], offered: dict[str, int], waits: d
               first_error: str | None = None) -> Phase:
     counted = [s for s in served if warmup <= s.at < end]
     per = {name: sum(s.tokens for s in counted if s.tenant == name) for name in TENANTS}
+    by_window = {f"{w:g} s": min(sliding_jain(served, warmup, end, w, step)) for w in OTHER_WINDOWS_S
+                 if w != window and warmup + w <= end}
     return Phase(mode, offered, per, {t: max(w, default=0.0) for t, w in waits.items()},
                  sliding_jain(served, warmup, end, window, step), jain(list(per.values())),
-                 sum(per.values()) / max(1e-9, end - warmup), errors, first_error)
+                 sum(per.values()) / max(1e-9, end - warmup), errors, first_error, by_window)
 
 
 # --- serving ------------------------------------------------------------------------------
@@ -244,7 +259,9 @@ def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
             gs.fair_admission = mode == "fair"
             phase = asyncio.run(serve_phase(svc.url, keys, config, mode))
             phases.append(phase)
-            console.print(f"{mode}: Jain min {phase.jain_min:.3f}, whole {phase.jain_whole:.3f}", highlight=False)
+            others = ", ".join(f"{w} windows {j:.3f}" for w, j in phase.jain_min_by_window.items())
+            console.print(f"{mode}: Jain min {phase.jain_min:.3f}, whole {phase.jain_whole:.3f}"
+                          + (f" (worst {others})" if others else ""), highlight=False)
         return phases
     finally:
         if svc is not None:
