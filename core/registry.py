@@ -83,6 +83,9 @@ from clora.reward_spec import RewardSpec
 log = logging.getLogger(__name__)
 
 PREFIX = "clora:"
+TOMBSTONE_TTL_S = 30 * 24 * 3600
+"""How long a deleted tenant's tombstone stays (`Registry.tombstone_key`): longer than its events
+stay in the topics (Kafka's default retention is 7 days)."""
 METRICS_HISTORY = 2000
 """Points of metrics history kept per tenant."""
 TRAFFIC_TTL_S = 2 * 86400
@@ -423,6 +426,7 @@ class Registry:
         if not self.r.sadd(PREFIX + "tenants", tenant.id):
             raise RegistryError(f"tenant {tenant.id!r} already exists")
         self.r.set(self._tkey(tenant.id), tenant.model_dump_json())
+        self.r.delete(self.tombstone_key(tenant.id))      # the id of a deleted tenant, taken again
         return tenant, self.create_key(tenant.id)
 
     def get_tenant(self, tenant_id: str, *, retired: bool = False) -> Tenant:
@@ -434,6 +438,14 @@ class Registry:
         if tenant.retired_at is not None and not retired:
             raise TenantNotFound(f"no tenant {tenant_id!r}: it is being deleted")
         return tenant
+
+    @staticmethod
+    def tombstone_key(tenant_id: str) -> str:
+        """Set while a tenant is deleted (from `retire_tenant` until the id is taken again, or
+        `TOMBSTONE_TTL_S`): the replay buffers' write scripts store nothing for it, so events
+        still in the topics from before the delete do not bring its data back. In the tenant's
+        buffer key slot (`clora.ingest.buffers.tkey`), which the buffers' delete leaves alone."""
+        return f"clora:t:{{{tenant_id}}}:deleted"
 
     def retire_tenant(self, tenant_id: str) -> Tenant:
         """Step 1 of deleting a tenant, in one transaction: mark it retired, take it out of
@@ -447,6 +459,7 @@ class Registry:
         lookups += [PREFIX + "tinkerkey:" + k.sha256 for k in self.list_tinker_keys(tenant_id)]
         pipe = self.r.pipeline()
         pipe.set(self._tkey(tenant_id), tenant.model_dump_json())
+        pipe.set(self.tombstone_key(tenant_id), repr(tenant.retired_at), ex=TOMBSTONE_TTL_S)
         pipe.srem(PREFIX + "tenants", tenant_id)
         if lookups:
             pipe.delete(*lookups)

@@ -43,6 +43,7 @@ import redis
 from pydantic import TypeAdapter
 from pydantic_core import to_json
 
+from clora.registry import Registry
 from clora.ingest.schemas import EXAMPLE_KINDS, Example, InteractionEvent
 from clora.ingest.signals import DIVERSITY_WINDOW, ReplyTraits, ServedSignals, sample_variance
 
@@ -78,7 +79,8 @@ def _parked_lists(per_interaction: list[list[bytes]]) -> list[list[bytes]]:
 # Stores the examples of several feedback events of one tenant, each at most once.
 # KEYS: seen, stats, recent, then per kind (sft, preference, rl): buf, ex, held, held_ex ;
 #       seq (KEYS[16]) ; rewards (KEYS[17]) ; episodes (KEYS[18]) ; then the parked-feedback
-#       hashes that guards g >= 1 refer to (KEYS[18 + g]).
+#       hashes that guards g >= 1 refer to (KEYS[18 + g]) ; last, the tenant's tombstone
+#       (`Registry.tombstone_key`): while it exists the tenant is deleted and nothing is stored.
 # ARGV: now, capacity, eviction, dedup_window, then the events as one JSON array
 #       (`ReplayBuffer._add_call`):
 #       [[event_id, guard, recent_json, untrained, [[kind, id, heldout, json, tally], ...]], ...]
@@ -105,6 +107,7 @@ local now, cap, eviction, window = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 if string.sub(eviction, 1, 7) == 'random:' then math.randomseed(tonumber(string.sub(eviction, 8))) end
 local events = cjson.decode(ARGV[5])
 local n_events = #events
+if redis.call('EXISTS', KEYS[#KEYS]) == 1 then return string.rep('0', n_events) end   -- a deleted tenant
 local CHUNK = 1000
 
 local function sliced(list, width, fn)     -- fn(first, last) over slices of whole records
@@ -249,9 +252,11 @@ for why, n in pairs(untrained) do redis.call('HINCRBY', KEYS[2], 'untrained_feed
 return table.concat(results)
 """ % (RECENT_FEEDBACK - 1, RECENT_FEEDBACK - 1)
 
-# KEYS: seen, ix, pending, recent ; ARGV: event_id, now, feedback_json, ttl, window, recent_json
-# Returns -1 when the interaction is there after all (caller retries the direct path).
+# KEYS: seen, ix, pending, recent, tombstone ; ARGV: event_id, now, feedback_json, ttl, window, recent_json
+# Returns -1 when the interaction is there after all (caller retries the direct path); 0 (as
+# for a duplicate) for a deleted tenant.
 _PARK_FEEDBACK = """
+if redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], tonumber(ARGV[2]), ARGV[1])
@@ -270,7 +275,8 @@ return 1
 # signals as it does (so a redelivered interaction counts once); returns, per interaction, the
 # feedback still parked for it (HGETALL's flat [id, json, ...]).
 # KEYS: seen, served, then per interaction i = 1.. : ix (KEYS[3i]), pending (KEYS[3i + 1]),
-#       distinct (KEYS[3i + 2])
+#       distinct (KEYS[3i + 2]) ; last, the tenant's tombstone (a deleted tenant: nothing stored,
+#       nothing parked returned)
 # ARGV: now, ttl, window, diversity window, then the interactions as one JSON array
 #       (`ReplayBuffer._store_call`): [[event_id, interaction_json, version, empty 0/1, tool 0/1,
 #       bad_tool 0/1, length, fingerprint], ...], version '' for no traits: nothing counted.
@@ -278,6 +284,11 @@ return 1
 _STORE_INTERACTIONS = """
 local now, ttl, window, diversity = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local items = cjson.decode(ARGV[5])
+if redis.call('EXISTS', KEYS[#KEYS]) == 1 then
+  local none = {}
+  for i = 1, #items do none[i] = {} end
+  return none
+end
 local ids, known = {}, {}
 for i, it in ipairs(items) do ids[i] = it[1] end
 for i = 1, #ids, 1000 do
@@ -496,13 +507,14 @@ class ReplayBuffer:
                      tkey(tenant, "distinct", version or "none")]
             rows.append([item.event_id, item.body, version] + ([0, 0, 0, 0, ""] if t is None else
                         [int(t.empty), int(t.tool_call), int(t.bad_tool_call), t.length, t.fingerprint]))
+        keys.append(Registry.tombstone_key(tenant))
         args = [now, self.policy.interaction_ttl_s, self.policy.dedup_window, DIVERSITY_WINDOW, to_json(rows)]
         return _ScriptCall(self._store, keys, args, _parked_lists)
 
     def _park_call(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
                    recent: str) -> "_ScriptCall":
         keys = [tkey(tenant, "seen"), tkey(tenant, "ix", interaction_id), tkey(tenant, "pending", interaction_id),
-                tkey(tenant, "recent")]
+                tkey(tenant, "recent"), Registry.tombstone_key(tenant)]
         args = [event_id, now, body, self.policy.interaction_ttl_s, self.policy.dedup_window, recent]
         return _ScriptCall(self._park, keys, args, ParkResult)
 
@@ -523,6 +535,7 @@ class ReplayBuffer:
                            [[EXAMPLE_KINDS.index(ex.kind), ex.example_id,
                              int(is_heldout(holdout_key(ex), self.policy.holdout_fraction)), ex.model_dump_json(),
                              _tally(ex)] for ex in item.examples]])
+        keys.append(Registry.tombstone_key(tenant))
         args = [now, capacity or self.policy.capacity, eviction, self.policy.dedup_window, to_json(events)]
         return _ScriptCall(self._add, keys, args, _stored_flags)
 
@@ -645,11 +658,15 @@ class ReplayBuffer:
     def delete_tenant(self, tenant: str) -> int:
         """Delete every key of `tenant` above (buffers, held-out sets, parked feedback, stats,
         rewards, served signals, recent feedback): a deleted tenant's data. Safe to repeat;
-        returns how many keys it deleted."""
+        returns how many keys it deleted. Its tombstone stays (`Registry.tombstone_key`): while
+        it does, the write scripts store nothing more for the tenant."""
         if not tenant or any(c in tenant for c in "*?[]{}\\"):   # the SCAN pattern must name one tenant
             raise ValueError(f"{tenant[:100]!r} is not a tenant id")
         deleted, batch = 0, []
+        tombstone = Registry.tombstone_key(tenant).encode()
         for key in self.r.scan_iter(match=tkey(tenant, "*"), count=1000):
+            if key == tombstone:       # set by the registry's retire: it keeps the buffers deleted
+                continue
             batch.append(key)
             if len(batch) >= 500:
                 deleted += self.r.unlink(*batch)

@@ -384,7 +384,9 @@ def _assert_gone(server, registry, redis_client, tenant_id, keys) -> None:
     with pytest.raises(TenantNotFound):
         registry.get_tenant(tenant_id, retired=True)
     assert tenant_id not in [t.id for t in registry.list_tenants()]
-    assert redis_client.keys(f"clora:t:{{{tenant_id}}}:*") == []            # replay buffers
+    tombstone = registry.tombstone_key(tenant_id)        # no data: it keeps late events from storing any
+    assert redis_client.keys(f"clora:t:{{{tenant_id}}}:*") == [tombstone.encode()]   # replay buffers
+    assert 0 < redis_client.ttl(tombstone)
     assert redis_client.keys(f"clora:tenant:{tenant_id}*") == []            # record, keys, versions, metrics
     assert not (server.storage.root / tenant_id).exists()                   # adapter folders
     assert server.checkpoints.entries(f"tenants/{tenant_id}") == []
@@ -403,6 +405,7 @@ def test_delete_removes_a_tenant_and_everything_it_owns(deleting_console, regist
     assert httpx.get(url, headers=admin(deleting_console)).status_code == 404
     r = httpx.post(f"{deleting_console.url}/api/tenants", headers=admin(deleting_console), json={"id": tenant_id})
     assert r.status_code == 201   # the id is free again
+    assert redis_client.keys(f"clora:t:{{{tenant_id}}}:*") == [], "a tenant taken again must store its events"
 
 
 def test_delete_of_an_unknown_tenant_is_404(deleting_console, tenant_id):
