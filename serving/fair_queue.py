@@ -28,7 +28,8 @@ are active, none holds more than its weighted share of the sequences, rounded up
 
     in_flight[t] + n <= ceil(capacity x weight[t] / sum of the active tenants' weights)
 
-(a tenant with nothing in flight may always send one request). A tenant is active while it has
+(a tenant with nothing in flight may always send one request; `shares=False` turns this off,
+the gateway's default: `GatewaySettings.fair_shares`). A tenant is active while it has
 requests waiting, and for `grace_s` after one of its requests ended: the time its clients take to
 send the next. Requests in flight alone do not make it active (it wants nothing more now). A slot
 left free for an active tenant's sake is held that long at most: a timer sends the next request
@@ -123,7 +124,8 @@ class FairQueue:
     """At most `capacity` engine sequences in flight; the rest wait, served in weighted fair
     order over tokens. `admit` waits for a `Ticket`; `release` gives it back."""
 
-    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic, grace_s: float = 0.0):
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic, grace_s: float = 0.0,
+                 shares: bool = True):
         if capacity < 1:
             raise ValueError(f"a fair queue needs a capacity of at least 1 sequence, got {capacity}")
         if grace_s < 0:
@@ -131,6 +133,8 @@ class FairQueue:
         self.capacity = capacity
         self.clock = clock
         self.grace_s = grace_s
+        self.shares = shares
+        """Keep each active tenant within its share (the module docstring); False: fair order only."""
         self._timer: asyncio.TimerHandle | None = None
         self.vtime = 0.0
         """The pass at which the last request was sent: where a tenant that starts waiting starts."""
@@ -207,8 +211,9 @@ class FairQueue:
                            key=lambda lane: (lane.pass_, lane.waiting[0].order))
             if not lanes:
                 return
-            within = [lane for lane in lanes if lane.in_flight == 0 or lane.in_flight + lane.waiting[0].sequences
-                      <= math.ceil(self.capacity * lane.weight / total_weight - 1e-9)]
+            within = lanes if not self.shares else [
+                lane for lane in lanes if lane.in_flight == 0 or lane.in_flight + lane.waiting[0].sequences
+                <= math.ceil(self.capacity * lane.weight / total_weight - 1e-9)]
             if not within:
                 self._wake_at_grace_end(now, active)   # the free slots wait for active tenants' share
                 return

@@ -238,7 +238,7 @@ class Gateway:
         if capacity < self.limits.n:
             raise ValueError(f"fair_sequences {capacity} is less than the largest n a tenant may ask for "
                              f"({self.limits.n}): such a request could never be sent")
-        self.fair = FairQueue(capacity, grace_s=self.settings.fair_grace_s)
+        self.fair = FairQueue(capacity, grace_s=self.settings.fair_grace_s, shares=self.settings.fair_shares)
         """Engine sequences in flight across tenants, and the requests waiting for them (used
         while `settings.fair_admission` is on: a benchmark may turn it off and on)."""
         self.weights = TenantWeights(self.registry, self.settings.tenant_refresh_s)
