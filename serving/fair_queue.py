@@ -203,17 +203,17 @@ class FairQueue:
                 # next runs, maybe after this release; it must not be sent (nor block the order)
                 while lane.waiting and lane.waiting[0].future.done():
                     lane.waiting.popleft()
-                if lane.idle() and lane.pass_ <= self.vtime and not lane.active(now):
-                    del self._lanes[tenant]     # its grace is over and it owes nothing
-            active = [lane for lane in self._lanes.values() if lane.active(now)]
-            total_weight = sum(lane.weight for lane in active)
+                self._forget_if_idle(tenant)     # its grace is over and it owes nothing
             lanes = sorted((lane for lane in self._lanes.values() if lane.waiting),
                            key=lambda lane: (lane.pass_, lane.waiting[0].order))
             if not lanes:
                 return
-            within = lanes if not self.shares else [
-                lane for lane in lanes if lane.in_flight == 0 or lane.in_flight + lane.waiting[0].sequences
-                <= math.ceil(self.capacity * lane.weight / total_weight - 1e-9)]
+            within = lanes
+            if self.shares:
+                active = [lane for lane in self._lanes.values() if lane.active(now)]
+                total_weight = sum(lane.weight for lane in active)
+                within = [lane for lane in lanes if lane.in_flight == 0 or lane.in_flight + lane.waiting[0].sequences
+                          <= math.ceil(self.capacity * lane.weight / total_weight - 1e-9)]
             if not within:
                 self._wake_at_grace_end(now, active)   # the free slots wait for active tenants' share
                 return
