@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import redis
+from redis.exceptions import NoScriptError
 from pydantic import TypeAdapter
 from pydantic_core import to_json
 
@@ -692,7 +693,7 @@ class BufferBatch:
     def __init__(self, buffers: ReplayBuffer):
         self._buffers = buffers
         self._pipe = buffers.r.pipeline(transaction=False)
-        self._decoders: list[Callable[[Any], Any]] = []
+        self._calls: list[_ScriptCall] = []
 
     def store_interaction(self, tenant: str, event_id: str, interaction_id: str, body: str, *, now: float,
                           traits: ReplyTraits | None = None) -> None:
@@ -710,9 +711,25 @@ class BufferBatch:
         self._queue(self._buffers._add_call(tenant, items, now=now, capacity=capacity))
 
     def execute(self) -> list:
-        replies = self._pipe.execute()
-        return [decode(reply) for decode, reply in zip(self._decoders, replies)]
+        """Send the queued calls by their scripts' SHA1s. redis-py's own pipelined `Script` would
+        first ask `SCRIPT EXISTS` on every execute, a round trip per batch; instead a Redis that
+        lost its script cache (a restart, `SCRIPT FLUSH`) answers NOSCRIPT, and the scripts are
+        loaded and the whole batch sent again: each write script stores an event once, so the
+        calls that did run before store nothing twice."""
+        try:
+            replies = self._pipe.execute()
+        except NoScriptError:
+            for script in {id(c.script): c.script for c in self._calls}.values():
+                self._buffers.r.script_load(script.script)
+            self._pipe = self._buffers.r.pipeline(transaction=False)
+            for call in self._calls:
+                self._send(call)
+            replies = self._pipe.execute()
+        return [call.decode(reply) for call, reply in zip(self._calls, replies)]
 
     def _queue(self, call: _ScriptCall) -> None:
-        call.script(keys=call.keys, args=call.args, client=self._pipe)
-        self._decoders.append(call.decode)
+        self._calls.append(call)
+        self._send(call)
+
+    def _send(self, call: _ScriptCall) -> None:
+        self._pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)

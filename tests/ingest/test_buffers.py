@@ -210,6 +210,32 @@ def test_a_batch_of_writes_answers_what_each_write_alone_would(redis_client, ten
     assert buf.stored_interactions([(tenant_id, "i7"), (tenant_id, "i8"), (tenant_id, "i7")]) == [ix, None, ix]
 
 
+def _script_exists_calls(client) -> int:
+    return client.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
+
+
+def test_a_batch_asks_no_script_exists_and_survives_a_flushed_script_cache(redis_client, tenant_id):
+    """A batch sends its scripts by SHA1 without redis-py's `SCRIPT EXISTS` round trip first;
+    when Redis has lost its scripts (restart, SCRIPT FLUSH) the batch loads them and is sent
+    again, and what had run before stores nothing twice."""
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+    assert buf.add_examples(tenant_id, "fb1", [sft(tenant_id, 1)], now=time.time()) == 1   # scripts loaded
+    before = _script_exists_calls(redis_client)
+    batch = buf.batch()
+    batch.add_many(tenant_id, [PendingWrite("fb2", [sft(tenant_id, 2)])], now=time.time())
+    assert batch.execute() == [[1]]
+    assert _script_exists_calls(redis_client) == before
+
+    redis_client.script_flush()
+    batch = buf.batch()
+    batch.add_many(tenant_id, [PendingWrite("fb3", [sft(tenant_id, 3)]), PendingWrite("fb2", [sft(tenant_id, 2)])],
+                   now=time.time())
+    batch.park_feedback(tenant_id, "f9", "i9", '{"event_id": "f9"}', now=time.time())
+    assert batch.execute() == [[1, 0], ParkResult.PARKED]
+    assert sorted(train_ids(buf, tenant_id)) == [1, 2, 3]
+    assert buf.stats(tenant_id) == {"added": 3, "duplicates": 1}
+
+
 def test_buffers_survive_redis_restart(stack, redis_client, tenant_id, wait_for):
     buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
     fill(buf, tenant_id, range(50))
