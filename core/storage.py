@@ -172,7 +172,8 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -195,7 +196,7 @@ class LocalStorage:
         if final.exists():
             raise StorageError(f"version folder {final} already exists; versions are never overwritten")
         os.rename(folder, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
         return self.uri(tenant, version)
 
     def fetch(self, uri: str) -> Path:
@@ -380,7 +381,7 @@ class S3Storage:
         for name in manifest.files:
             self._put(self.key(tenant, version, name), folder / name)
         (folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
-        _fsync(folder / MANIFEST_FILE)
+        fsync_path(folder / MANIFEST_FILE)
         self._put(self.key(tenant, version, MANIFEST_FILE), folder / MANIFEST_FILE)   # last: now it exists
         final = self.root / tenant / f"v{version}"
         if Path(folder).resolve() != final.resolve():
@@ -389,7 +390,7 @@ class S3Storage:
                 os.rename(folder, final)
             except OSError as e:
                 raise StorageError(f"{uri} is stored, but caching it in {final} failed") from e
-            _fsync(final.parent)
+            fsync_path(final.parent)
         return uri
 
     def fetch(self, uri: str) -> Path:
@@ -415,8 +416,8 @@ class S3Storage:
                 manifest.check(tmp, uri)
                 (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
                 for p in tmp.iterdir():
-                    _fsync(p)
-                _fsync(tmp)
+                    fsync_path(p)
+                fsync_path(tmp)
                 try:
                     os.rename(tmp, final)
                 except OSError:
@@ -425,7 +426,7 @@ class S3Storage:
                     self._check_cached(final, uri)   # another process fetched it first
                     shutil.rmtree(tmp, ignore_errors=True)
                     return final
-                _fsync(final.parent)
+                fsync_path(final.parent)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

@@ -35,6 +35,9 @@ from clora.ingest.buffers import ReplayBuffer
 from clora.ingest.reports import DLQ_RECENT_MAX, EVENTS_MAX, consumer_lag, recent_dead_letters, recent_service_events
 from clora.ingest.schemas import EXAMPLE_KINDS, TOPIC_ADAPTERS, AdapterEvent
 from clora.storage import AdapterStorage, StorageError
+from clora.trainapi.purge import delete_tenant_runs
+from clora.trainapi.settings import TrainApiSettings
+from clora.trainapi.weights import CheckpointDir
 
 STATIC = Path(__file__).parent / "static"
 SHAPE: ErrorShape = "clora"
@@ -75,10 +78,12 @@ def load_admin_token(data_dir: Path, configured: str | None) -> str:
 
 def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: str, publish=None,
                        ingest_group: str = "clora-ingest", storage: AdapterStorage | None = None,
-                       checkpoints: CheckpointStorage | None = None) -> FastAPI:
+                       checkpoints: CheckpointStorage | None = None, tinker_weights: CheckpointDir | None = None,
+                       ) -> FastAPI:
     """`publish(topic, key, value_json)` sends adapter events and DLQ replays (None: disabled).
-    `storage` and `checkpoints`: where a deleted tenant's adapter versions and learner
-    checkpoints are removed from (None: that part of a deletion is left out)."""
+    `storage`, `checkpoints` and `tinker_weights`: where a deleted tenant's adapter versions,
+    learner checkpoints (its own and its Tinker runs') and saved Tinker weights are removed
+    from (None: that part of a deletion is left out)."""
     app = FastAPI(title="clora control plane", version="1")
     api = APIRouter(prefix="/api")
 
@@ -182,14 +187,15 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
     def delete_tenant(tenant_id: str):
         """Delete a tenant and everything it owns, in an order a crash cannot spoil: retire it
         first (its keys stop authenticating, nothing is live, no learner or gateway lists it),
-        then its replay buffers, adapter folders or objects, learner checkpoints and registry
-        data, and its record last. A DELETE that failed midway is retried to finish the job."""
+        then its replay buffers, Tinker runs and saved weights (`clora.trainapi.purge`),
+        adapter folders or objects, learner checkpoints and registry data, and its record last. A DELETE that failed midway is retried to finish the job."""
         try:
             registry.retire_tenant(tenant_id)
         except TenantNotFound as e:
             raise HttpError(404, "tenant_not_found", str(e), "tenant_id") from None
         buffers.delete_tenant(tenant_id)
         try:
+            delete_tenant_runs(registry.r, tenant_id, checkpoints, tinker_weights)   # its Tinker runs
             if storage is not None:
                 storage.delete_tenant(tenant_id)
             if checkpoints is not None:
@@ -403,7 +409,8 @@ def build(kafka_bootstrap: str, redis_url: str, admin_token: str, ingest_group: 
     learner, stored = LearnerSettings(), StorageSettings()   # where the learner keeps what a deletion removes
     return create_control_app(registry, ReplayBuffer(client), admin_token, publish=producer.send_sync,
                               ingest_group=ingest_group, storage=open_storage(stored, learner.adapters_dir),
-                              checkpoints=open_checkpoint_storage(stored, learner.checkpoints_dir))
+                              checkpoints=open_checkpoint_storage(stored, learner.checkpoints_dir),
+                              tinker_weights=CheckpointDir(TrainApiSettings().checkpoints_dir, stored))
 
 
 def _dump(model: BaseModel | None) -> dict | None:

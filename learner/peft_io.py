@@ -10,7 +10,6 @@ happen here.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from clora.learner.lora import LoraLayout
+from clora.storage import fsync_path  # noqa: F401 - re-exported: the learner's writers fsync through it
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,15 +48,6 @@ def adapter_config(layout: LoraLayout, base_model: str) -> dict:
         "rank_pattern": {},
         "alpha_pattern": {},
     }
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes a rename in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_adapter(folder: Path, layout: LoraLayout, flat: torch.Tensor, base_model: str) -> None:

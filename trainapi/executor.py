@@ -33,7 +33,6 @@ killed mid-request runs it again after its restart. What must not happen twice o
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -318,7 +317,5 @@ def _already_applied(job: Job, step: int) -> dict:
             **({"model_id": job.model_id} if job.args.get("creates") else {})}
 
 
-def _file_name(key: str) -> str:
-    """A run's checkpoint file name: its tenant and a digest of its key (model ids hold ':')."""
-    tenant = key.split("/", 1)[0]
-    return f"{tenant}--{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+_file_name = queue.run_file_name
+"""A run's checkpoint file name (`clora.trainapi.purge` deletes it by the same name)."""

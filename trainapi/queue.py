@@ -27,6 +27,7 @@ responses (payloads and results are bytes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,6 +52,19 @@ def request_key(rid: str) -> str:
 
 def run_meta_key(run: str) -> str:
     return f"{PREFIX}:run:{run}"
+
+
+def run_file_name(run: str) -> str:
+    """A run's file-safe name: its tenant and a digest of its key (model ids hold ':').
+    Example: "acme/tinker/9f..:train:0" -> "acme--5d41402abc4b2a76b9719d91"."""
+    tenant = run.split("/", 1)[0]
+    return f"{tenant}--{hashlib.sha256(run.encode()).hexdigest()[:24]}"
+
+
+def run_checkpoint_name(run: str) -> str:
+    """Where the learner checkpoints a run's state in its checkpoint storage
+    (`clora.learner.checkpoint.run_checkpoint` of `run_file_name`)."""
+    return f"tinker/{run_file_name(run)}"
 
 
 @dataclass(frozen=True)

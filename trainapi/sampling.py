@@ -73,8 +73,8 @@ log = logging.getLogger(__name__)
 V1 = "/api/v1"
 SESSION_TTL_S = 7 * 86400
 """How long a sampling session lives after it was created or last sampled."""
-_SESSION_KEY = "clora:tinker:sampling:"
-_ASAMPLE_KEY = "clora:tinker:asample:"
+SESSION_KEY = "clora:tinker:sampling:"
+ASAMPLE_KEY = "clora:tinker:asample:"
 _STOP_REASONS = {"stop": 0, "length": 1}
 """`tinker_public.StopReason`: STOP_REASON_STOP, STOP_REASON_LENGTH."""
 SampleResponseMessage = message_class("SampleResponse")
@@ -112,23 +112,23 @@ def put_sampling_session(r, sid: str, tenant: str, served_model: str, model_path
                          ttl_s: int = SESSION_TTL_S) -> None:
     """Record sampling session `sid` on a `redis.Redis` (the learner's executor, after an
     ephemeral `save_weights_for_sampler` published `served_model`)."""
-    r.set(_SESSION_KEY + sid, _session_json(tenant, served_model, model_path), ex=ttl_s)
+    r.set(SESSION_KEY + sid, _session_json(tenant, served_model, model_path), ex=ttl_s)
 
 
 def get_sampling_session(r, sid: str) -> SamplingSession | None:
     """Sampling session `sid` from a `redis.Redis`; None when unknown or expired."""
-    return _session_of(r.get(_SESSION_KEY + sid))
+    return _session_of(r.get(SESSION_KEY + sid))
 
 
 async def aput_sampling_session(r, sid: str, tenant: str, served_model: str, model_path: str | None = None,
                                 ttl_s: int = SESSION_TTL_S) -> None:
     """`put_sampling_session` on a `redis.asyncio.Redis`."""
-    await r.set(_SESSION_KEY + sid, _session_json(tenant, served_model, model_path), ex=ttl_s)
+    await r.set(SESSION_KEY + sid, _session_json(tenant, served_model, model_path), ex=ttl_s)
 
 
 async def aget_sampling_session(r, sid: str) -> SamplingSession | None:
     """`get_sampling_session` on a `redis.asyncio.Redis`."""
-    return _session_of(await r.get(_SESSION_KEY + sid))
+    return _session_of(await r.get(SESSION_KEY + sid))
 
 
 # --- results -------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def install_sampling(app: FastAPI, api: Api, *, gateway: httpx.AsyncClient | Non
                             f"request, got {body.num_samples}", "num_samples")
         resent = None
         if body.sampling_session_id is not None and body.seq_id is not None:
-            resent = f"{_ASAMPLE_KEY}{body.sampling_session_id}:{body.seq_id}"
+            resent = f"{ASAMPLE_KEY}{body.sampling_session_id}:{body.seq_id}"
             if (raw := await api.redis.get(resent)) is not None:
                 return json.loads(raw)
         if in_flight[tenant] >= settings.max_samples_in_flight:
@@ -445,7 +445,7 @@ def install_sampling(app: FastAPI, api: Api, *, gateway: httpx.AsyncClient | Non
             return json.loads(await api.redis.get(resent))   # a concurrent copy won: its request it is
         await queue.create_future(api.redis, rid, tenant, None, "sample", api.settings.future_ttl_s)
         if body.sampling_session_id is not None:
-            await api.redis.expire(_SESSION_KEY + body.sampling_session_id, SESSION_TTL_S)
+            await api.redis.expire(SESSION_KEY + body.sampling_session_id, SESSION_TTL_S)
         in_flight[tenant] += 1
         task = asyncio.create_task(run(rid, tenant, key, gateway_body(target.served_model, tokens, body), body))
         running.add(task)

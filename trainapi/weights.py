@@ -43,8 +43,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from clora.learner.peft_io import fsync_path
-from clora.storage import FileDigest, StorageIntegrityError, StorageSettings, s3_call, s3_client, sha256_file
+from clora.ids import validate_tenant_id
+from clora.storage import FileDigest, fsync_path, StorageError, StorageIntegrityError, StorageSettings, s3_call, s3_client, sha256_file
 from clora.trainapi.wire import WireError
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,20 @@ class RemoteCheckpoints:
         except Exception:  # noqa: BLE001 - the checkpoint is stored; an orphan write costs space only
             log.exception("deleting the previous write %s of %s failed", m.write_id, p)
 
+    def delete_tenant(self, tenant: str) -> int:
+        """Delete every object of `tenant`'s checkpoints (a deleted tenant); returns how many."""
+        prefix = "/".join((self.prefix, tenant, ""))
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        keys = s3_call(f"listing s3://{self.bucket}/{prefix}",
+                       lambda: [o["Key"] for page in pages for o in page.get("Contents", [])])
+        for i in range(0, len(keys), 1000):
+            out = s3_call(f"deleting s3://{self.bucket}/{prefix}", self.client.delete_objects, Bucket=self.bucket,
+                          Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+            if out.get("Errors"):
+                raise StorageError(f"deleting s3://{self.bucket}/{prefix} failed for {len(out['Errors'])} objects: "
+                                   f"{out['Errors'][0]}")
+        return len(keys)
+
     def fetch(self, tenant: str, p: TinkerPath, m: SavedManifest, folder: Path) -> None:
         """Download write `m` into the new folder `folder` and check every file against it."""
         folder.mkdir(parents=True)
@@ -256,6 +270,19 @@ class CheckpointDir:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final, m.checkpoint_info()
+
+    def delete_tenant(self, tenant: str) -> None:
+        """Delete every checkpoint of `tenant` (a deleted tenant): its folder here and, with a
+        store, its objects there. Safe to repeat."""
+        validate_tenant_id(tenant)     # one path component: never a parent, never the root
+        if self.remote is not None:
+            self.remote.delete_tenant(tenant)
+        try:
+            shutil.rmtree(self.root / tenant)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"deleting {self.root / tenant} failed") from e
 
     def write(self, tenant: str, p: TinkerPath, overwrite: bool, fill: Callable[[Path], CheckpointInfo]) -> Path:
         """Create checkpoint `p` atomically: `fill(tmp)` writes its files into a fresh temporary

@@ -348,12 +348,62 @@ def deleting_console(stack, tmp_path):
     from tests.fakes import ServerThread
 
     client = redis.Redis.from_url(stack.redis_url)
+    from clora.trainapi.weights import CheckpointDir
+
     storage, checkpoints = LocalStorage(tmp_path / "adapters"), LocalCheckpoints(tmp_path / "checkpoints")
+    saved = CheckpointDir(tmp_path / "tinker-weights")
     token = "test-admin-" + uuid.uuid4().hex
-    app = create_control_app(Registry(client), ReplayBuffer(client), token, storage=storage, checkpoints=checkpoints)
+    app = create_control_app(Registry(client), ReplayBuffer(client), token, storage=storage, checkpoints=checkpoints,
+                             tinker_weights=saved)
     with ServerThread(app, lifespan="auto") as server:
-        server.token, server.storage, server.checkpoints = token, storage, checkpoints
+        server.token, server.storage, server.checkpoints, server.saved = token, storage, checkpoints, saved
         yield server
+
+
+def _tinker_run(server, redis_client, tenant: str, tmp_path) -> dict:
+    """A Tinker run of `tenant` as the training API and the learner leave it: its session, run
+    record, seq_id order, finished count, a queued and a finished request, a sampling session and
+    its answer, the run's state checkpoint and a saved sampler checkpoint; returns its keys."""
+    import json
+    import uuid
+
+    from clora.trainapi import queue
+    from clora.trainapi.runs import seq_key, session_key
+    from clora.trainapi.sampling import ASAMPLE_KEY, SESSION_KEY
+    from clora.trainapi.weights import CheckpointInfo, TinkerPath
+
+    sid = uuid.uuid4().hex
+    model_id = f"{sid}:train:0"
+    run = f"{tenant}/tinker/{model_id}"
+    queued, finished = f"req-{uuid.uuid4().hex}", f"req-{uuid.uuid4().hex}"
+    keys = {"session": session_key(sid), "seq": seq_key(run), "queue": queue.queue_key(run),
+            "meta": queue.run_meta_key(run), "queued": queue.request_key(queued),
+            "finished": queue.request_key(finished), "sampling": f"{SESSION_KEY}{sid}:sample:0",
+            "answer": f"{ASAMPLE_KEY}{sid}:sample:0:1"}
+    redis_client.set(keys["session"], json.dumps({"session_id": sid, "tenant": tenant}))
+    redis_client.hset(queue.RUNS, run, json.dumps({"tenant": tenant, "model_id": model_id, "seed": 0,
+                                                   "session_id": sid}))
+    redis_client.hset(keys["seq"], mapping={"0": json.dumps({"request_id": queued}), "next": 1})
+    redis_client.hset(keys["meta"], "done", 1)
+    redis_client.hset(keys["queued"], mapping={"tenant": tenant, "model_id": model_id, "op": "optim_step",
+                                               "state": "pending"})
+    redis_client.rpush(keys["queue"], queued)
+    redis_client.hset(keys["finished"], mapping={"tenant": tenant, "model_id": model_id, "state": "done"})
+    redis_client.set(keys["sampling"], json.dumps({"tenant": tenant, "served_model": f"{tenant}@v1",
+                                                   "model_path": None}))
+    redis_client.set(keys["answer"], "{}")
+    state = tmp_path / f"state-{sid}.safetensors"
+    state.write_bytes(b"x")
+    server.checkpoints.put(queue.run_checkpoint_name(run), 1, state)
+    path = TinkerPath(model_id, "sampler_weights", "final")
+
+    def fill(folder):
+        (folder / "adapter_config.json").write_text("{}")
+        return CheckpointInfo(path=str(path), tenant=tenant, base_model="tiny", lora_rank=4, train_attn=True,
+                              train_mlp=True, step=1, has_optimizer=False, created_at=1.0)
+
+    server.saved.write(tenant, path, False, fill)
+    return {"keys": keys, "run": run, "checkpoint": queue.run_checkpoint_name(run), "saved": path}
 
 
 def _tenant_with_everything(server, registry, redis_client, tenant_id, tmp_path) -> dict:
@@ -374,7 +424,16 @@ def _tenant_with_everything(server, registry, redis_client, tenant_id, tmp_path)
     registry.append_metrics(tenant_id, {"step": 1, "loss": 0.5})
     (tmp_path / "ckpt.safetensors").write_bytes(b"x")
     server.checkpoints.put(f"tenants/{tenant_id}", 1, tmp_path / "ckpt.safetensors")
-    return {"api": key, "tinker": tinker}
+    return {"api": key, "tinker": tinker, "run": _tinker_run(server, redis_client, tenant_id, tmp_path)}
+
+
+def _assert_run_is(server, redis_client, tenant: str, run: dict, there: bool) -> None:
+    from clora.trainapi import queue
+
+    assert [redis_client.exists(k) for k in run["keys"].values()] == [int(there)] * len(run["keys"]), run["keys"]
+    assert redis_client.hexists(queue.RUNS, run["run"]) == there
+    assert bool(server.checkpoints.entries(run["checkpoint"])) == there
+    assert server.saved.exists(tenant, run["saved"]) == there
 
 
 def _assert_gone(server, registry, redis_client, tenant_id, keys) -> None:
@@ -390,16 +449,23 @@ def _assert_gone(server, registry, redis_client, tenant_id, keys) -> None:
     assert redis_client.keys(f"clora:tenant:{tenant_id}*") == []            # record, keys, versions, metrics
     assert not (server.storage.root / tenant_id).exists()                   # adapter folders
     assert server.checkpoints.entries(f"tenants/{tenant_id}") == []
+    _assert_run_is(server, redis_client, tenant_id, keys["run"], there=False)     # its Tinker runs
+    assert not (server.saved.root / tenant_id).exists()
 
 
 def test_delete_removes_a_tenant_and_everything_it_owns(deleting_console, registry, redis_client, tenant_id,
                                                         tmp_path):
     keys = _tenant_with_everything(deleting_console, registry, redis_client, tenant_id, tmp_path)
     assert registry.authenticate(keys["api"]).tenant == tenant_id and redis_client.keys(f"clora:t:{{{tenant_id}}}:*")
+    _assert_run_is(deleting_console, redis_client, tenant_id, keys["run"], there=True)
+    other = "o" + tenant_id[1:]          # another tenant's Tinker run: left alone
+    registry.create_tenant(other)
+    others = _tinker_run(deleting_console, redis_client, other, tmp_path)
     url = f"{deleting_console.url}/api/tenants/{tenant_id}"
     r = httpx.delete(url, headers=admin(deleting_console))
     assert r.status_code == 200 and r.json() == {"deleted": tenant_id}
     _assert_gone(deleting_console, registry, redis_client, tenant_id, keys)
+    _assert_run_is(deleting_console, redis_client, other, others, there=True)
     again = httpx.delete(url, headers=admin(deleting_console))
     assert again.status_code == 404 and again.json()["error"]["code"] == "tenant_not_found"
     assert httpx.get(url, headers=admin(deleting_console)).status_code == 404

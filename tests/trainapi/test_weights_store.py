@@ -58,6 +58,22 @@ def test_a_checkpoint_written_on_one_host_is_read_whole_on_another(hosts):
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]   # no temporary left
 
 
+def test_a_deleted_tenants_checkpoints_leave_the_store_and_the_cache_and_no_other_tenants_do(hosts):
+    a, b, settings = hosts
+    a.write("acme", P, False, filler(b"x", 1))
+    a.write("acme-two", P, False, filler(b"y", 1))        # a tenant whose id starts with the other's
+    b.find("acme", P)                                     # cached on b too
+    assert any("/tinker-weights/acme/" in k for k in objects(settings))
+    a.delete_tenant("acme")
+    assert not any("/tinker-weights/acme/" in k for k in objects(settings))
+    assert any("/tinker-weights/acme-two/" in k for k in objects(settings))
+    assert not (a.root / "acme").exists() and not b.exists("acme", P)
+    assert b.find("acme-two", P)[1] == info(1)
+    a.delete_tenant("acme")                               # safe to repeat
+    with pytest.raises(ValueError):
+        a.delete_tenant("..")
+
+
 def test_another_tenants_checkpoint_is_not_found(hosts):
     a, b, _ = hosts
     a.write("acme", P, False, filler(b"x", 1))
