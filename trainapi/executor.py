@@ -44,6 +44,7 @@ from clora.ids import served_name
 from clora.learner.adapter_store import GRAD
 from clora.learner.checkpoint import run_checkpoint
 from clora.learner.scheduler import TenantView
+from clora.registry import Registry
 from clora.storage import StorageSettings
 from clora.trainapi import queue
 from clora.trainapi.backend import AdamParams, InProcessBackend
@@ -170,12 +171,30 @@ class TinkerWork:
 
     def _checkpoint(self, key: str, applied: int) -> None:
         """Checkpoint `key`'s state with `applied` requests in it, under its tenant's lease."""
+        self._check_alive(self.runs[key].tenant)
         state = self.store.state(key)
         state.cursor = applied
         fence = self.learner.leases.check(self.runs[key].tenant)
         name = _file_name(key)
         self.learner.checkpoints.save(run_checkpoint(name), dataclasses.replace(state, tenant=name),
                                       fence.token if fence is not None else 0)
+
+    def _deleted(self, tenant: str) -> bool:
+        """Whether `tenant` is being or was deleted (its tombstone, set before its data goes)."""
+        return bool(self.r.exists(Registry.tombstone_key(tenant)))
+
+    def _check_alive(self, tenant: str) -> None:
+        """Before each write of a run's data: `_TenantDeleted` once its tenant's deletion began,
+        so that a request in flight then leaves no checkpoint or saved weights behind the
+        deletion (`clora.trainapi.purge`)."""
+        if self._deleted(tenant):
+            raise _TenantDeleted(tenant)
+
+    def _forget(self, key: str) -> None:
+        """Drop a deleted tenant's run from memory."""
+        if key in self.store:
+            self.store.remove(key)
+        self.runs.pop(key, None)
 
     # --- running a request -------------------------------------------------------------------
 
@@ -184,6 +203,9 @@ class TinkerWork:
         if job is None:
             return None
         rec = self.runs[key]
+        if self._deleted(rec.tenant):
+            self._forget(key)
+            return None
         n = rec.done + 1
         t0 = time.perf_counter()
         rec.last_used = time.monotonic()
@@ -199,6 +221,9 @@ class TinkerWork:
                          grad_pending=grad_pending)
         except FencedOut:
             raise        # another learner holds the tenant now: the request is its to run
+        except _TenantDeleted:
+            self._forget(key)   # deleted mid-request: nothing of it written, and no answer
+            return None
         except (RequestError, WireError, FileExistsError, FloatingPointError) as e:
             queue.finish(self.r, key, job.request_id, self.settings.future_ttl_s, error=str(e), category="user",
                          grad_pending=grad_pending)
@@ -262,6 +287,7 @@ class TinkerWork:
         """`save_weights` (a resumable checkpoint), or `save_weights_for_sampler`: named, a PEFT
         checkpoint published as a version of the tenant (not live), its path mapped to it; or
         ephemeral (an RL loop's every step), a version only, with a sampling session on it."""
+        self._check_alive(rec.tenant)
         a = job.args
         p = TinkerPath(rec.model_id, a["kind"], a["name"])
         sampler = a["kind"] == "sampler_weights"
@@ -304,6 +330,10 @@ class TinkerWork:
 
 class _GradientLost(RequestError):
     pass
+
+
+class _TenantDeleted(Exception):
+    """The run's tenant is being deleted: the request writes nothing more."""
 
 
 def _already_applied(job: Job, step: int) -> dict:

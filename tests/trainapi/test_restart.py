@@ -105,3 +105,38 @@ def test_the_api_restarting_mid_session_loses_nothing_and_the_session_goes_on(se
     gap = httpx.post(f"{service.url}/api/v1/optim_step", headers=key, timeout=30,
                      json={"model_id": training.model_id, "seq_id": 99, "adam_params": ADAM.model_dump()})
     assert gap.status_code == 400 and gap.json()["error"]["field"] == "seq_id"
+
+
+def test_a_tenant_deleted_while_its_step_runs_gets_no_checkpoint_or_record_back(service, monkeypatch, tmp_path):
+    """The control plane deletes a tenant (retire, then `delete_tenant_runs`) while the learner
+    is inside one of its run's optim_step: the step writes no checkpoint after the deletion and
+    finishes nothing, so nothing of the run outlives the delete; other tenants' runs go on."""
+    from clora.checkpoint_storage import LocalCheckpoints
+    from clora.trainapi.purge import delete_tenant_runs
+
+    client = tinker.ServiceClient(base_url=service.url, api_key=service.keys["acme"])
+    training = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    training.forward_backward(DATA, "cross_entropy").result()
+    key = f"acme/tinker/{training.model_id}"
+    checkpoints = LocalCheckpoints(service.learner_settings.checkpoints_dir)
+    assert checkpoints.entries(queue.run_checkpoint_name(key))               # created: checkpointed
+    deleted = []
+    real_step = service.work.backend.optim_step
+
+    def delete_during_the_step(run, params):
+        out = real_step(run, params)
+        if run == key:
+            service.registry.retire_tenant("acme")
+            deleted.append(delete_tenant_runs(service.redis, "acme", checkpoints))
+        return out
+
+    monkeypatch.setattr(service.work.backend, "optim_step", delete_during_the_step)
+    training.optim_step(ADAM)            # its answer never comes: the tenant is gone
+    beta = tinker.ServiceClient(base_url=service.url, api_key=service.keys["beta"])
+    other = beta.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    other.forward_backward(DATA, "cross_entropy").result()
+    other.optim_step(ADAM).result()      # the learner went on past the deleted run's step
+    assert deleted == [1]
+    assert checkpoints.entries(queue.run_checkpoint_name(key)) == []
+    assert [k for k in service.redis.scan_iter(match="clora:tinker:*") if b"acme" in k] == []
+    assert not service.redis.hexists(queue.RUNS, key) and key not in service.work.runs
