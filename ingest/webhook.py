@@ -237,7 +237,10 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
         try:
             owners = await owners_of([rec.interaction_id for rec in records])
             unowned = [i for i, owner in enumerate(owners) if owner is None]
-            multi = await multi_choice_of([records[i].interaction_id for i in unowned])
+            # only the gateway serves n > 1 responses, under ids it mints: no other id is one
+            minted = [i for i in unowned if is_gateway_interaction_id(records[i].interaction_id)]
+            found = dict(zip(minted, await multi_choice_of([records[i].interaction_id for i in minted])))
+            multi = [found.get(i) for i in unowned]
         except RedisError as e:
             raise _registry_unavailable(e) from e
         for i, owner in enumerate(owners):

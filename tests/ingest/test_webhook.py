@@ -381,23 +381,30 @@ def test_a_replayed_signed_request_without_event_ids_stores_nothing_new(webhook,
 
 def test_feedback_on_the_bare_id_of_an_n_choice_response_is_422_naming_the_ids_to_use(webhook, registry, tenant,
                                                                                       tenant_id):
+    from clora.ids import new_response_id
+
     tid, key = tenant
-    registry.claim_response(f"{tid}-r3", tid, 3)                  # a gateway that records the count
-    registry.claim_interaction(f"{tid}-r2-0", tid)                # one that records the choices only
-    registry.claim_interaction(f"{tid}-r2-1", tid)
-    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{tid}-r3", "score": 1})
+    r3, r2 = new_response_id("chat"), new_response_id("responses")
+    registry.claim_response(r3, tid, 3)                           # a gateway that records the count
+    registry.claim_interaction(f"{r2}-0", tid)                    # one that records the choices only
+    registry.claim_interaction(f"{r2}-1", tid)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": r3, "score": 1})
     assert r.status_code == 422 and r.json()["error"]["field"] == "interaction_id"
-    assert f"{tid}-r3-0, {tid}-r3-1, {tid}-r3-2" in r.json()["error"]["message"]
+    assert f"{r3}-0, {r3}-1, {r3}-2" in r.json()["error"]["message"]
     r = httpx.post(f"{webhook.url}/v1/feedback/batch", headers=auth(key), json={"records": [
-        {"interaction_id": f"{tid}-r3-1", "score": 1}, {"interaction_id": f"{tid}-r2", "score": 1}]})
+        {"interaction_id": f"{r3}-1", "score": 1}, {"interaction_id": r2, "score": 1}]})
     assert r.status_code == 422 and r.json()["error"]["field"] == "records.1.interaction_id"
-    assert f"{tid}-r2-0, {tid}-r2-1, ..." in r.json()["error"]["message"]
-    ok = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{tid}-r3-2", "score": 1})
+    assert f"{r2}-0, {r2}-1, ..." in r.json()["error"]["message"]
+    ok = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{r3}-2", "score": 1})
     assert ok.status_code == 202
     other = tid + "-b"
     _, other_key = registry.create_tenant(other)
-    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(other_key), json={"interaction_id": f"{tid}-r3", "score": 1})
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(other_key), json={"interaction_id": r3, "score": 1})
     assert r.status_code == 403, r.text       # someone else's response: not even its shape is told
+    # an id the gateway could not have minted is never looked up as a response: accepted as pending
+    registry.claim_interaction(f"{tid}-mine-0", tid)
+    r = httpx.post(f"{webhook.url}/v1/feedback", headers=auth(key), json={"interaction_id": f"{tid}-mine", "score": 1})
+    assert r.status_code == 202, r.text
 
 
 # --- feedback on interactions the gateway never served ------------------------------------------
