@@ -73,6 +73,10 @@ class FairnessBenchConfig:
     """Simulated training time per step-cost-model phase."""
     learner_seconds: float = 90.0
     """Real training time per real-learner phase (0: skip the real learner)."""
+    learner_min_steps: int = 0
+    """A real-learner phase also goes on until each tenant has trained this many steps after
+    the warm-up and has waited for a pick at least once (at most 20 x `learner_seconds`): on a
+    loaded machine, whose steps are slow, a short phase still measures both tenants."""
     learner_model: str = "tiny"
     """The real learner's base: "tiny" (the serving phases' model), "smollm2", or an HF folder."""
     step_fixed_s: float = 0.4
@@ -313,6 +317,13 @@ class Tally:
     def trained(self, tenant: str, at: float, tokens: int) -> None:
         self.served.append(Served(at, tenant, tokens))
 
+    def measured_each(self, steps: int, seconds: float) -> bool:
+        """Whether, were the phase `seconds` long, each tenant trained `steps` steps after its
+        warm-up and waited for a pick at least once."""
+        warmup = seconds / 6
+        return all(sum(s.tenant == name and s.at >= warmup for s in self.served) >= steps
+                   and max(self.waits[name], default=0.0) > 0 for name in TENANTS)
+
     def phase(self, mode: str, offered: dict[str, int], seconds: float) -> Phase:
         """The phase's numbers, over sliding windows of a third of its `seconds` after a warm-up."""
         window = seconds / 3
@@ -478,13 +489,14 @@ class RealLearner:
         sched.record, sched.pick = recorded, picked
         arrivals = Arrivals(capacity, c.skew, start=c.batch_size)
         offered = {name: self.offer(name, c.batch_size) for name in TENANTS}    # a step's worth each to start
-        while (now := time.monotonic() - t0) < c.learner_seconds:
+        while (now := time.monotonic() - t0) < c.learner_seconds or (
+                now < 20 * c.learner_seconds and not tally.measured_each(c.learner_min_steps, now)):
             for name in TENANTS:
                 if due := arrivals.due(name, now):
                     offered[name] += self.offer(name, due)
             learner.tick()
         learner.shutdown()
-        return tally.phase(("fair" if fair else "baseline") + " (real learner)", offered, c.learner_seconds)
+        return tally.phase(("fair" if fair else "baseline") + " (real learner)", offered, now)
 
 
 def run_real_learner(config: FairnessBenchConfig, console: Console) -> list[Phase]:

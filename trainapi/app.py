@@ -23,6 +23,7 @@ checkpoint path resolves under the asking tenant's own folder.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -163,6 +164,7 @@ class TrainApi:
         self.checkpoints = CheckpointDir(settings.checkpoints_dir, storage)
         self.runs = RunStore(redis, settings.max_seq_ids_kept)
         self._enqueue_locks: dict[str, asyncio.Lock] = {}
+        self.finished = queue.FinishedWaiter(redis)
 
     # --- ownership ------------------------------------------------------------------------
 
@@ -292,7 +294,9 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis,
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await api.restore()
+        api.finished.start()
         yield
+        api.finished.close()
 
     app = FastAPI(title="clora Tinker-compatible training API", lifespan=lifespan)
     app.state.trainapi = api
@@ -552,16 +556,19 @@ def create_app(settings: TrainApiSettings, authenticate: Authenticate, redis,
     @app.post(f"{v1}/retrieve_future")
     async def retrieve_future(request: Request, body: RetrieveRequest) -> Response:
         tenant = await api.tenant(request)
-        o = await queue.outcome(api.redis, body.request_id)
-        if o is None:
-            raise HttpError(410, "request_expired", f"request {body.request_id!r} is unknown or expired",
-                            "request_id")
-        if o.tenant != tenant:
-            raise HttpError(404, "request_not_found", f"no request {body.request_id!r}", "request_id")
-        deadline = time.monotonic() + settings.retrieve_hold_s
-        while o is not None and o.state == "pending" and time.monotonic() < deadline:
-            await asyncio.sleep(settings.retrieve_poll_s)
+        with api.finished.watch(body.request_id) as woken:   # before the first read: no wake-up missed
             o = await queue.outcome(api.redis, body.request_id)
+            if o is None:
+                raise HttpError(410, "request_expired", f"request {body.request_id!r} is unknown or expired",
+                                "request_id")
+            if o.tenant != tenant:
+                raise HttpError(404, "request_not_found", f"no request {body.request_id!r}", "request_id")
+            deadline = time.monotonic() + settings.retrieve_hold_s
+            while o is not None and o.state == "pending" and (left := deadline - time.monotonic()) > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(woken.wait(), min(left, settings.retrieve_poll_s))
+                woken.clear()
+                o = await queue.outcome(api.redis, body.request_id)
         if o is None:
             raise HttpError(410, "request_expired", f"request {body.request_id!r} expired", "request_id")
         if o.state == "pending":

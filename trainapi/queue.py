@@ -18,6 +18,9 @@ Keys (`run` = `backend.run_key(tenant, model_id)`, `rid` = the request id the cl
     clora:tinker:run:{run}     hash  done (requests finished), grad_pending ("1" while a
                                      forward_backward's gradient waits for its optim_step)
     clora:tinker:wake          list  a token per enqueue, so an idle learner wakes at once
+    clora:tinker:finished      pub/sub channel: each finished request's id, published in the
+                               transaction that records its outcome, so a held
+                               `retrieve_future` answers at once (`FinishedWaiter`)
 
 A request is enqueued in one transaction (record, queue, wake-up) and finished in one (outcome,
 pop, counters), so no request is lost between the two processes or counted twice. A finished
@@ -27,14 +30,21 @@ responses (payloads and results are bytes).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 PREFIX = "clora:tinker"
 RUNS = f"{PREFIX}:runs"
 WAKE = f"{PREFIX}:wake"
+FINISHED = f"{PREFIX}:finished"
 Kind = Literal["json", "forward_backward", "sample"]
 """How a result renders: `json` as `result_json`; the others as the protobuf `result` to a
 client that accepts protobuf, else as `result_json`."""
@@ -146,6 +156,7 @@ async def complete(r, rid: str, ttl_s: float, *, result: bytes | None = None, re
     async with r.pipeline(transaction=True) as p:
         p.hset(request_key(rid), mapping=fields)
         p.expire(request_key(rid), max(1, int(ttl_s)))
+        p.publish(FINISHED, rid)
         await p.execute()
 
 
@@ -158,6 +169,77 @@ def _outcome_fields(result: bytes | None, result_json: Any, error: str | None, c
     if result_json is not None:
         fields["result_json"] = json.dumps(result_json)
     return fields
+
+
+class FinishedWaiter:
+    """Wakes held `retrieve_future` calls when their request finishes: one subscription to
+    `FINISHED` per API process (opened by `start`, reopened after a failure) instead of each
+    held call reading its record every few milliseconds. A wake-up is a hint: the caller reads
+    the outcome from the record, and looks again every so often whatever the channel says, so a
+    message lost while the subscription reconnects costs at most that long.
+
+        with waiter.watch(rid) as woken:        # before reading the record: no wake-up missed
+            ...read the outcome; while pending: await asyncio.wait_for(woken.wait(), poll_s)
+    """
+
+    def __init__(self, r):
+        self.r = r
+        self._waiting: dict[str, set[asyncio.Event]] = {}
+        self._task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+
+    @contextlib.contextmanager
+    def watch(self, rid: str) -> Iterator[asyncio.Event]:
+        """An event set when `rid` finishes (clear it after each wake-up to wait again)."""
+        self.start()
+        event = asyncio.Event()
+        self._waiting.setdefault(rid, set()).add(event)
+        try:
+            yield event
+        finally:
+            events = self._waiting.get(rid)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiting[rid]
+
+    def start(self) -> None:
+        """Open the subscription (on the running loop) unless it is open."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def subscribed(self) -> None:
+        """Return once the subscription is open (tests; a request need not wait for it)."""
+        self.start()
+        await self._ready.wait()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(FINISHED)
+                self._ready.set()
+                for events in list(self._waiting.values()):   # what finished while it was closed
+                    for event in events:
+                        event.set()
+                while True:
+                    msg = await pubsub.get_message(timeout=30.0)
+                    if msg is not None and msg.get("type") == "message":
+                        for event in self._waiting.get(_text(msg["data"]), ()):
+                            event.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the fallback poll covers the gap; reconnect
+                log.warning("tinker: the finished-request channel failed (%s); resubscribing", e)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
 
 # --- the learner process (redis.Redis) -------------------------------------------------------
@@ -207,6 +289,7 @@ def finish(r, run: str, rid: str, ttl_s: float, *, result: bytes | None = None, 
         p.hincrby(run_meta_key(run), "done", 1)
         if grad_pending is not None:
             p.hset(run_meta_key(run), "grad_pending", "1" if grad_pending else "0")
+        p.publish(FINISHED, rid)
         p.execute()
 
 

@@ -28,8 +28,10 @@ class TrainApiSettings(BaseSettings):
     retrieve_hold_s: float = Field(default=25.0, ge=0, le=40)
     """How long `retrieve_future` holds a pending request before answering 408 `try_again`; under
     the SDK's 45 s read timeout."""
-    retrieve_poll_s: float = Field(default=0.02, gt=0, le=1)
-    """How often a held `retrieve_future` looks for its request's outcome in Redis."""
+    retrieve_poll_s: float = Field(default=1.0, gt=0, le=30)
+    """A held `retrieve_future` is woken when its request finishes (a Redis pub/sub message);
+    it also looks for the outcome this often, so a wake-up lost while the API's subscription
+    reconnects delays an answer by at most this long."""
     future_ttl_s: float = Field(default=3600.0, gt=0)
     """How long a finished request's result is kept; after that its id answers 410."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)

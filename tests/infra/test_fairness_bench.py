@@ -64,7 +64,7 @@ def test_on_the_step_cost_model_fair_scheduling_equalises_training_tokens_under_
 
 @pytest.mark.slow
 def test_the_real_learner_trains_both_tenants_in_each_phase_and_counts_what_it_trained():
-    config = FairnessBenchConfig(learner_seconds=12, batch_size=4)
+    config = FairnessBenchConfig(learner_seconds=12, batch_size=4, learner_min_steps=2)   # however slow the steps
     phases = run_real_learner(config, Console(quiet=True))
     assert [p.mode for p in phases] == ["baseline (real learner)", "fair (real learner)"]
     for p in phases:
