@@ -33,13 +33,13 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _matching(r, pattern: str, tenant_of) -> list[str]:
-    """The keys matching `pattern` whose value (`tenant_of(client, keys) -> tenants`) is `tenant`'s."""
+def _matching(r, pattern: str, owned) -> list[str]:
+    """The keys matching `pattern` that `owned(keys) -> [bool per key]` says are the tenant's."""
     out = []
     batch: list[str] = []
 
     def flush() -> None:
-        out.extend(k for k, owner in zip(batch, tenant_of(batch)) if owner)
+        out.extend(k for k, mine in zip(batch, owned(batch)) if mine)
         batch.clear()
 
     for key in r.scan_iter(match=pattern, count=1000):
@@ -73,7 +73,9 @@ def delete_tenant_runs(r, tenant: str, checkpoints: CheckpointStorage | None = N
         r.hdel(queue.RUNS, run)      # last: the run stays known until its data is gone
     sessions = _matching(r, session_key("*"), lambda ks: [_json_tenant_is(v, tenant) for v in r.mget(ks)] if ks else [])
     sampling = _matching(r, SAMPLING_KEY + "*", lambda ks: [_json_tenant_is(v, tenant) for v in r.mget(ks)] if ks else [])
-    answers = [k for sid in sampling for k in (_text(x) for x in r.scan_iter(match=ASAMPLE_KEY + sid[len(SAMPLING_KEY):] + ":*"))]
+    sids = {k[len(SAMPLING_KEY):] for k in sampling}      # an answer is `ASAMPLE_KEY{sid}:{seq}`
+    answers = _matching(r, ASAMPLE_KEY + "*", lambda ks: [k[len(ASAMPLE_KEY):].rsplit(":", 1)[0] in sids
+                                                         for k in ks]) if sids else []
 
     def request_owners(ks: list[str]) -> list[bool]:
         with r.pipeline(transaction=False) as p:
