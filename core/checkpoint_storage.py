@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Protocol
 
 from clora.fencing import FencedOut
-from clora.storage import StorageError, StorageIntegrityError, StorageSettings, s3_call, s3_client, sha256_file
+from clora.storage import StorageError, StorageIntegrityError, StorageSettings, s3_call, s3_client, s3_delete_prefix, \
+    sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -288,16 +289,7 @@ class S3Checkpoints:
 
     def delete(self, name: str) -> None:
         check_name(name)
-        prefix = f"{self.prefix}/{name}/"
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        keys = s3_call(f"listing s3://{self.bucket}/{prefix}",
-                       lambda: [o["Key"] for page in pages for o in page.get("Contents", [])])
-        for i in range(0, len(keys), 1000):
-            out = s3_call(f"deleting s3://{self.bucket}/{prefix}", self.client.delete_objects, Bucket=self.bucket,
-                          Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-            if out.get("Errors"):
-                raise StorageError(f"deleting s3://{self.bucket}/{prefix} failed for {len(out['Errors'])} objects: "
-                                   f"{out['Errors'][0]}")
+        s3_delete_prefix(self.client, self.bucket, f"{self.prefix}/{name}/")
 
     def clean_partial(self) -> list[Path]:
         partial = sorted(self.root.glob(f".tmp-*{SUFFIX}")) if self.root.is_dir() else []

@@ -302,6 +302,28 @@ def s3_call(what: str, fn, *args, **kwargs):
         raise StorageError(f"{what} failed: {e}") from e
 
 
+def s3_keys(client, bucket: str, prefix: str) -> list[str]:
+    """Every key under `prefix` in `bucket` (all pages)."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return s3_call(f"listing s3://{bucket}/{prefix}", lambda: [o["Key"] for page in pages for o in page.get("Contents", [])])
+
+
+def s3_delete_keys(client, bucket: str, keys: list[str], what: str) -> None:
+    """Delete `keys`, 1000 to a request (S3's limit); `StorageError` naming `what` when any fails."""
+    for i in range(0, len(keys), 1000):
+        out = s3_call(what, client.delete_objects, Bucket=bucket,
+                      Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        if out.get("Errors"):
+            raise StorageError(f"{what} failed for {len(out['Errors'])} objects: {out['Errors'][0]}")
+
+
+def s3_delete_prefix(client, bucket: str, prefix: str) -> int:
+    """Delete every object under `prefix`; returns how many there were."""
+    keys = s3_keys(client, bucket, prefix)
+    s3_delete_keys(client, bucket, keys, f"deleting s3://{bucket}/{prefix}")
+    return len(keys)
+
+
 class S3Storage:
     """Versions in an S3-compatible bucket, fetched into the local cache `root`."""
 
@@ -346,9 +368,7 @@ class S3Storage:
         self._call(f"downloading s3://{self.bucket}/{key}", self.client.download_file, self.bucket, key, str(path))
 
     def _keys(self, prefix: str) -> list[str]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        return self._call(f"listing s3://{self.bucket}/{prefix}",
-                          lambda: [o["Key"] for page in pages for o in page.get("Contents", [])])
+        return s3_keys(self.client, self.bucket, prefix)
 
     def manifest(self, tenant: str, version: int) -> Manifest:
         """The store's manifest of a version (`StorageIntegrityError`: none, so no version)."""
@@ -447,12 +467,7 @@ class S3Storage:
         shutil.rmtree(self.root / tenant, ignore_errors=True)   # the cache
 
     def _delete_keys(self, keys: list[str], what: str) -> None:
-        """Delete `keys`, 1000 to a request (S3's limit); `StorageError` naming `what` when any fails."""
-        for i in range(0, len(keys), 1000):
-            out = self._call(what, self.client.delete_objects, Bucket=self.bucket,
-                             Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-            if out.get("Errors"):
-                raise StorageError(f"{what} failed for {len(out['Errors'])} objects: {out['Errors'][0]}")
+        s3_delete_keys(self.client, self.bucket, keys, what)
 
     # --- the cache ----------------------------------------------------------------------
 

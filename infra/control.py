@@ -188,7 +188,8 @@ def create_control_app(registry: Registry, buffers: ReplayBuffer, admin_token: s
         """Delete a tenant and everything it owns, in an order a crash cannot spoil: retire it
         first (its keys stop authenticating, nothing is live, no learner or gateway lists it),
         then its replay buffers, Tinker runs and saved weights (`clora.trainapi.purge`),
-        adapter folders or objects, learner checkpoints and registry data, and its record last. A DELETE that failed midway is retried to finish the job."""
+        adapter folders or objects, learner checkpoints and registry data, and its record last.
+        A DELETE that failed midway is retried to finish the job."""
         try:
             registry.retire_tenant(tenant_id)
         except TenantNotFound as e:

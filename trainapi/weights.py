@@ -44,7 +44,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from clora.ids import validate_tenant_id
-from clora.storage import FileDigest, fsync_path, StorageError, StorageIntegrityError, StorageSettings, s3_call, s3_client, sha256_file
+from clora.storage import FileDigest, StorageError, StorageIntegrityError, StorageSettings, fsync_path, s3_call, \
+    s3_client, s3_delete_prefix, sha256_file
 from clora.trainapi.wire import WireError
 
 log = logging.getLogger(__name__)
@@ -188,17 +189,7 @@ class RemoteCheckpoints:
 
     def delete_tenant(self, tenant: str) -> int:
         """Delete every object of `tenant`'s checkpoints (a deleted tenant); returns how many."""
-        prefix = "/".join((self.prefix, tenant, ""))
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        keys = s3_call(f"listing s3://{self.bucket}/{prefix}",
-                       lambda: [o["Key"] for page in pages for o in page.get("Contents", [])])
-        for i in range(0, len(keys), 1000):
-            out = s3_call(f"deleting s3://{self.bucket}/{prefix}", self.client.delete_objects, Bucket=self.bucket,
-                          Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-            if out.get("Errors"):
-                raise StorageError(f"deleting s3://{self.bucket}/{prefix} failed for {len(out['Errors'])} objects: "
-                                   f"{out['Errors'][0]}")
-        return len(keys)
+        return s3_delete_prefix(self.client, self.bucket, "/".join((self.prefix, tenant, "")))
 
     def fetch(self, tenant: str, p: TinkerPath, m: SavedManifest, folder: Path) -> None:
         """Download write `m` into the new folder `folder` and check every file against it."""
