@@ -27,13 +27,15 @@ def main() -> None:
     ap.add_argument("--learner-seconds", type=float, default=defaults.learner_seconds,
                     help="real training time per real-learner phase (0: skip)")
     ap.add_argument("--learner-model", default=defaults.learner_model, help="tiny, smollm2 or an HF folder")
+    ap.add_argument("--shares-phase", action="store_true",
+                    help="also a serving phase with per-tenant shares on, after fair order alone, in the same run")
     ap.add_argument("--out", default=defaults.out)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     run_bench(FairnessBenchConfig(seconds=args.seconds, slots=args.slots, light_tokens=args.light_tokens,
                                   skew=args.skew, window_s=args.window_s, learner_minutes=args.learner_minutes,
                                   learner_seconds=args.learner_seconds, learner_model=args.learner_model,
-                                  out=args.out))
+                                  shares_phase=args.shares_phase, out=args.out))
 
 
 if __name__ == "__main__":

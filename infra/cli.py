@@ -459,6 +459,8 @@ def bench_fairness(
         learner_minutes: Annotated[float, typer.Option(help="Simulated training time per step-cost-model phase")] = 30.0,
         learner_seconds: Annotated[float, typer.Option(help="Real training time per real-learner phase (0: skip)")] = 90.0,
         learner_model: Annotated[str, typer.Option(help="The real learner's base: tiny, smollm2 or an HF folder")] = "tiny",
+        shares_phase: Annotated[bool, typer.Option(help="Also a serving phase with per-tenant shares on, after fair "
+                                                        "order alone, in the same run")] = False,
         out: Annotated[str, typer.Option(help="JSON output")] = "bench-results/fairness.json",
         log_level: LogLevel = "WARNING"):
     """Fair shares under a 10:1 skew: served tokens through the real gateway and vLLM, and trained
@@ -470,7 +472,8 @@ def bench_fairness(
     try:
         config = FairnessBenchConfig(seconds=seconds, slots=slots, light_tokens=light_tokens, skew=skew,
                                      window_s=window_s, learner_minutes=learner_minutes,
-                                     learner_seconds=learner_seconds, learner_model=learner_model, out=out)
+                                     learner_seconds=learner_seconds, learner_model=learner_model,
+                                     shares_phase=shares_phase, out=out)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

@@ -69,6 +69,9 @@ class FairnessBenchConfig:
     skew: int = 10
     window_s: float | None = None
     """Sliding window of the Jain index (None: a third of a phase)."""
+    shares_phase: bool = False
+    """Also a third serving phase, after fair order alone, with per-tenant shares on
+    (`GatewaySettings.fair_shares`), so that both are measured in one run."""
     learner_minutes: float = 30.0
     """Simulated training time per step-cost-model phase."""
     learner_seconds: float = 90.0
@@ -259,8 +262,9 @@ def run_serving(config: FairnessBenchConfig, console: Console) -> list[Phase]:
         svc = ServingService(es, gs, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url).start()
         console.print(f"engine up; serving phases of {config.seconds:g} s each", highlight=False)
         phases = []
-        for mode in ("baseline", "fair"):
-            gs.fair_admission = mode == "fair"
+        for mode in ("baseline", "fair") + (("fair + shares",) if config.shares_phase else ()):
+            gs.fair_admission = mode != "baseline"
+            svc.gateway.fair.shares = mode == "fair + shares"      # read per send: the queue is idle now
             phase = asyncio.run(serve_phase(svc.url, keys, config, mode))
             phases.append(phase)
             others = ", ".join(f"{w} windows {j:.3f}" for w, j in phase.jain_min_by_window.items())
@@ -535,13 +539,15 @@ def main(config: FairnessBenchConfig, console: Console | None = None) -> dict:
     learner = [run_learner(config, fair) for fair in (False, True)]
     console.print(table(f"serving: equal weights, {config.skew}:1 offered tokens, {config.slots} engine slots, "
                         f"windows of {config.window:.0f} s", serving))
-    base, fair = serving
-    ratio = fair.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan")
+    base = serving[0]
+    ratios = {p.mode: p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan") for p in serving[1:]}
+    ratio = ratios["fair"]
     for p in serving:
         if p.first_error:
             console.print(f"{p.mode}: {p.errors} requests failed, the first: {p.first_error}", highlight=False)
-    console.print(f"throughput fair / baseline: {ratio:.2f}; errors {base.errors} / {fair.errors}; max wait = "
-                  "longest time to a request's first token", highlight=False)
+    console.print("throughput " + ", ".join(f"{mode} / baseline: {r:.2f}" for mode, r in ratios.items())
+                  + "; errors " + " / ".join(str(p.errors) for p in serving)
+                  + "; max wait = longest time to a request's first token", highlight=False)
     if real:
         console.print(table(f"training on the real learner ({config.learner_model}), {config.learner_seconds:g} s "
                             f"per phase, windows of a third", real))
@@ -550,6 +556,7 @@ def main(config: FairnessBenchConfig, console: Console | None = None) -> dict:
     result = {"config": asdict(config) | {"window_s": config.window},
               "serving": [asdict(p) | {"jain_min": p.jain_min} for p in serving],
               "serving_throughput_ratio": ratio,
+              "serving_throughput_ratios": ratios,
               "learner_real": [asdict(p) | {"jain_min": p.jain_min} for p in real],
               "learner": [asdict(p) | {"jain_min": p.jain_min} for p in learner]}
     out = Path(config.out)

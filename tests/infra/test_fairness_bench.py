@@ -71,3 +71,23 @@ def test_the_real_learner_trains_both_tenants_in_each_phase_and_counts_what_it_t
         assert all(0 < p.served_tokens[t] < p.offered_tokens[t] for t in ("heavy", "light")), p
         assert all(p.max_wait_s[t] > 0 for t in ("heavy", "light")), p
         assert p.jain_windows, p
+
+
+def test_the_report_compares_each_fair_serving_phase_with_the_baseline_of_the_same_run(monkeypatch, tmp_path):
+    import json
+
+    from clora.infra import fairness_bench
+
+    def phase(mode: str, tokens_per_s: float) -> fairness_bench.Phase:
+        return fairness_bench.Phase(mode, {"heavy": 10, "light": 1}, {"heavy": 5, "light": 1}, {"heavy": 1.0, "light": 0.5},
+                                    [0.9], 0.9, tokens_per_s)
+
+    served = [phase("baseline", 100.0), phase("fair", 94.0), phase("fair + shares", 82.0)]
+    monkeypatch.setattr(fairness_bench, "run_serving", lambda config, console: served)
+    out = tmp_path / "fairness.json"
+    config = FairnessBenchConfig(learner_seconds=0, learner_minutes=1, shares_phase=True, out=str(out))
+    fairness_bench.main(config, Console(quiet=True))
+    result = json.loads(out.read_text())
+    assert [p["mode"] for p in result["serving"]] == ["baseline", "fair", "fair + shares"]
+    assert result["serving_throughput_ratio"] == pytest.approx(0.94)
+    assert result["serving_throughput_ratios"] == pytest.approx({"fair": 0.94, "fair + shares": 0.82})
