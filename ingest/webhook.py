@@ -347,17 +347,26 @@ def _registry_unavailable(e: Exception) -> HttpError:
                      headers={"Retry-After": "1"})
 
 
+REDIS_CONNECTIONS = 64
+"""An asyncio client's most connections to Redis; a request that finds them all busy waits for
+one (`REDIS_CONNECTION_WAIT_S`)."""
+REDIS_CONNECTION_WAIT_S = 10.0
+
+
 def async_redis_client(redis_url: str):
     """An asyncio Redis client that reconnects and retries (a Redis restart costs a retry,
-    not a failed request)."""
+    not a failed request). Its pool blocks: redis-py's default pool refuses the 101st
+    concurrent command with "Too many connections", which answered a burst of requests 503."""
     import redis.asyncio
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    return redis.asyncio.Redis.from_url(redis_url, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5),
-                                        retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_CONNECTION_WAIT_S,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 5), retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    return redis.asyncio.Redis(connection_pool=pool)
 
 
 def app_from_env() -> FastAPI:

@@ -82,8 +82,10 @@ class QuotaStore:
                 metrics=None) -> "QuotaStore":
         """Shared through the Redis at `redis_url`. A call waits at most `timeout_s` (one retry,
         for a pooled connection that a Redis restart closed) before the check falls back."""
-        client = redis.asyncio.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                              retry=Retry(NoBackoff(), 1))
+        pool = redis.asyncio.BlockingConnectionPool.from_url(   # a burst waits for a connection, not fails
+            redis_url, max_connections=64, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
+        client = redis.asyncio.Redis(connection_pool=pool)
         return cls(client, lease_s=lease_s, retry_s=retry_s, metrics=metrics)
 
     @property
