@@ -486,14 +486,16 @@ class ReplayBuffer:
     def stored_interactions(self, refs: list[tuple[str, str]]) -> list[InteractionEvent | None]:
         """The stored interaction of each (tenant, interaction id), None where it has not arrived
         or has expired; one round trip for all, each distinct interaction parsed once."""
-        if not refs:
-            return []
-        raws = self.r.mget([tkey(tenant, "ix", iid) for tenant, iid in refs])
+        raws = self.stored_interaction_bodies(refs)
         parsed: dict[bytes, InteractionEvent] = {}
         for raw in raws:
             if raw is not None and raw not in parsed:
                 parsed[raw] = InteractionEvent.model_validate_json(raw)
         return [None if raw is None else parsed[raw] for raw in raws]
+
+    def stored_interaction_bodies(self, refs: list[tuple[str, str]]) -> list[bytes | None]:
+        """The stored JSON of each (tenant, interaction id), as `stored_interactions` reads it."""
+        return self.r.mget([tkey(tenant, "ix", iid) for tenant, iid in refs]) if refs else []
 
     def _run(self, call: "_ScriptCall"):
         return call.decode(call.script(keys=call.keys, args=call.args))

@@ -38,7 +38,7 @@ from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
 from clora.ingest.buffers import BufferPolicy, InteractionWrite, ParkResult, PendingWrite, ReplayBuffer
-from clora.ingest.joiner import build_examples, untrained_reason
+from clora.ingest.joiner import build_examples, join_stored, untrained_reason
 from clora.ingest.producer import EventProducer
 from clora.ingest.reports import record_dead_letters
 from clora.ingest.signals import ReplyTraits
@@ -291,14 +291,16 @@ class IngestWorker:
         """Join what can be joined, park the rest; returns feedback whose interaction arrived
         between our read and our park (to be joined on the next pass)."""
         now = time.time()
-        found = self.buffers.stored_interactions([(fb.tenant, fb.interaction_id) for fb in feedback])
+        found = self.buffers.stored_interaction_bodies([(fb.tenant, fb.interaction_id) for fb in feedback])
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
         parked: list[FeedbackEvent] = []
-        for fb, ix in zip(feedback, found):
-            if ix is None:
+        for fb, stored in zip(feedback, found):
+            if stored is None:
                 parked.append(fb)
                 continue
-            writes[fb.tenant].append(self._pending(ix, fb, _recent(fb)))
+            spec = self._reward_spec(fb.tenant)
+            writes[fb.tenant].append(PendingWrite(fb.event_id, join_stored(stored, fb, spec), _recent(fb),
+                                                  untrained=untrained_reason(fb, spec) or ""))
         batch = self.buffers.batch()
         for fb in parked:
             batch.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),

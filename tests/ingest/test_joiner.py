@@ -4,10 +4,13 @@ one feedback record under the tenant's reward spec, and refuses to join across t
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clora.reward_spec import RewardSpec
 from clora.ingest import schemas
-from clora.ingest.joiner import build_examples, untrained_reason
+from clora.ingest.buffers import _tally, holdout_key
+from clora.ingest.joiner import build_examples, join_stored, untrained_reason
 
 
 def _ix(**kw) -> schemas.InteractionEvent:
@@ -103,3 +106,58 @@ def test_without_a_spec_a_score_trains_as_is_with_weight_one():
     (rl,) = build_examples(_ix(), _fb(key="arithmetic", score=-3.0, source="judge"))
     assert rl.reward == -3.0 and rl.weight == 1.0
     assert untrained_reason(_fb(comment="meh"), SPEC) is None            # no score: nothing to count
+
+
+# --- the worker's join on the stored JSON (`join_stored`) -----------------------------------
+
+_text = st.text(max_size=20)
+_messages = st.lists(st.one_of(
+    st.builds(lambda c: {"role": "user", "content": c}, _text),
+    st.builds(lambda c, n: {"role": "system", "content": c, "name": n}, _text, st.none() | _text),
+    st.builds(lambda i, a: {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": a}}]}, st.text(min_size=1, max_size=8), _text),
+    st.builds(lambda c, i: {"role": "tool", "content": c, "tool_call_id": i}, _text, _text)), min_size=1, max_size=4)
+_floats = st.floats(min_value=-50, max_value=0, allow_nan=False)
+
+
+@st.composite
+def _stored_pairs(draw):
+    n = draw(st.integers(0, 5))
+    ix = _ix(interaction_id="i1", messages=draw(_messages),
+             response={"role": "assistant", "content": draw(_text)},
+             tools=draw(st.none() | st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+             prompt_token_ids=draw(st.none() | st.lists(st.integers(0, 50_000), max_size=4)),
+             completion_token_ids=draw(st.lists(st.integers(0, 50_000), min_size=n, max_size=n)),
+             completion_logprobs=draw(st.lists(_floats, min_size=n, max_size=n)),
+             group_id=draw(st.none() | st.just("g7")), episode_id=draw(st.none() | st.just("e3")),
+             adapter_version=draw(st.none() | st.integers(0, 9)))
+    score = draw(st.one_of(st.integers(-5, 5), st.floats(-5, 5, allow_nan=False)))
+    fb = _fb(score=score, key=draw(st.sampled_from([None, "stars", "thumbs"])),
+             source=draw(st.sampled_from(["user", "operator", "judge"])), time=draw(st.none() | _floats))
+    return ix, fb, draw(st.sampled_from([None, SPEC]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_stored_pairs())
+def test_the_stored_json_join_makes_what_the_models_make(pair):
+    """The worker's fast path gives, for every score, the examples `build_examples` gives: the
+    same JSON (as data) and the same fields the buffer write reads."""
+    from pydantic_core import from_json
+
+    ix, fb, spec = pair
+    fast = join_stored(ix.model_dump_json().encode(), fb, spec)
+    slow = build_examples(ix, fb, spec)
+    assert [e.kind for e in fast] == [e.kind for e in slow]
+    for f, s in zip(fast, slow, strict=True):
+        assert from_json(f.model_dump_json()) == from_json(s.model_dump_json())
+        assert schemas.RLSample.model_validate_json(f.model_dump_json()) == s
+        assert (_tally(f), holdout_key(f), f.example_id) == (_tally(s), holdout_key(s), s.example_id)
+
+
+def test_the_stored_json_join_takes_the_models_path_for_a_correction_and_refuses_another_tenant():
+    fb = _fb(score=1.0, correction={"role": "assistant", "content": "4"})
+    assert join_stored(_ix().model_dump_json().encode(), fb) == build_examples(_ix(), fb)
+    assert [e.kind for e in join_stored(_ix().model_dump_json().encode(), fb)] == ["sft", "preference", "rl"]
+    with pytest.raises(ValueError, match="joined interaction of other"):
+        join_stored(_ix(tenant="other").model_dump_json().encode(), _fb(score=1))
+    assert join_stored(_ix().model_dump_json().encode(), _fb(comment="meh")) == []
