@@ -147,9 +147,11 @@ class Heartbeat:
             self.path.touch()
             self._touched = now
 
-    def start_watchdog(self, stall_s: float, on_stall: Callable[[float], None] | None = None) -> threading.Thread:
+    def start_watchdog(self, stall_s: float, on_stall: Callable[[float], None] | None = None,
+                       stop: threading.Event | None = None) -> threading.Thread:
         """Watch the beats from a daemon thread: when none came for `stall_s`, log the stacks and
-        call `on_stall(seconds_since_last_beat)`, by default exiting with `WATCHDOG_EXIT_CODE`."""
+        call `on_stall(seconds_since_last_beat)`, by default exiting with `WATCHDOG_EXIT_CODE`.
+        Setting `stop` ends the watch (a service watches until it exits)."""
         import faulthandler
         import logging
 
@@ -157,7 +159,7 @@ class Heartbeat:
             os._exit(WATCHDOG_EXIT_CODE)
 
         def watch() -> None:
-            while True:
+            while stop is None or not stop.is_set():
                 silent = time.monotonic() - self.last
                 if silent > stall_s:
                     logging.getLogger(__name__).error(
@@ -166,7 +168,10 @@ class Heartbeat:
                     faulthandler.dump_traceback(all_threads=True)
                     (on_stall or exit_now)(silent)
                     return
-                time.sleep(min(1.0, stall_s / 4))
+                if stop is None:
+                    time.sleep(min(1.0, stall_s / 4))
+                else:
+                    stop.wait(min(1.0, stall_s / 4))
 
         thread = threading.Thread(target=watch, name="watchdog", daemon=True)
         thread.start()

@@ -24,6 +24,11 @@ HTTP_KEEP_ALIVE_S = 75
 open. Longer than clients reuse one (httpx and the openai SDK: 5 s), so that a client never
 sends a request on a connection the server is closing at that moment, which fails it."""
 
+ASYNC_REDIS_CONNECTIONS = 64
+"""The most connections one process's asyncio Redis pool opens (webhook, training API, the
+gateway's shared quotas). The pools block: a command that finds them all busy waits for one,
+where redis-py's default pool refuses the 101st concurrent command ("Too many connections")."""
+
 
 def settings_config(prefix: str) -> SettingsConfigDict:
     """The configuration of every clora settings model: environment variables under `prefix`,

@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 
 from clora.ids import derived_id, is_gateway_interaction_id
 from clora.procs import tune_gc
+from clora.settings import ASYNC_REDIS_CONNECTIONS
 from clora.registry import Registry, Tenant, TenantNotFound, fetch_interaction_owners, fetch_multi_choice, sign
 from clora.web import MAX_JSON_DEPTH, BodyLimit, ErrorShape, HttpError, api_key, install_error_handlers
 from clora.ingest.settings import WebhookSettings
@@ -393,7 +394,7 @@ def _registry_unavailable(e: Exception) -> HttpError:
                      headers={"Retry-After": "1"})
 
 
-REDIS_CONNECTIONS = 64
+REDIS_CONNECTIONS = ASYNC_REDIS_CONNECTIONS
 """An asyncio client's most connections to Redis; a request that finds them all busy waits for
 one (`REDIS_CONNECTION_WAIT_S`)."""
 REDIS_CONNECTION_WAIT_S = 10.0

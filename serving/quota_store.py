@@ -45,6 +45,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from clora.serving.tenant_slots import LocalSlots, RedisSlots
+from clora.settings import ASYNC_REDIS_CONNECTIONS
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class QuotaStore:
         """Shared through the Redis at `redis_url`. A call waits at most `timeout_s` (one retry,
         for a pooled connection that a Redis restart closed) before the check falls back."""
         pool = redis.asyncio.BlockingConnectionPool.from_url(   # a burst waits for a connection, not fails
-            redis_url, max_connections=64, timeout=timeout_s, socket_timeout=timeout_s,
+            redis_url, max_connections=ASYNC_REDIS_CONNECTIONS, timeout=timeout_s, socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
         client = redis.asyncio.Redis(connection_pool=pool)
         return cls(client, lease_s=lease_s, retry_s=retry_s, metrics=metrics)

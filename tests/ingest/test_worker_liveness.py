@@ -56,16 +56,19 @@ def test_a_worker_blocked_in_poll_stops_beating_and_its_watchdog_fires(tmp_path,
         loop.join(5)
 
 
-def test_a_beating_loop_never_trips_the_watchdog():
+def test_a_beating_loop_never_trips_the_watchdog_and_a_stopped_watch_ends():
     beat = Heartbeat(None)
     tripped = threading.Event()
-    beat.start_watchdog(0.5, on_stall=lambda s: tripped.set())
+    stop = threading.Event()
+    watch = beat.start_watchdog(0.5, on_stall=lambda s: tripped.set(), stop=stop)
     done = threading.Event()
     threading.Timer(2.0, done.set).start()
     while not done.is_set():
         beat.beat()
         done.wait(0.05)
-    assert not tripped.is_set()
+    stop.set()            # without it the watch would trip once the loop above stops beating
+    watch.join(5)
+    assert not watch.is_alive() and not tripped.is_set()
 
 
 def test_every_broker_call_is_bounded(monkeypatch):
