@@ -20,6 +20,7 @@ Cluster keeps a tenant on one slot and every script below stays single-slot:
                                       '<v>:n', '<v>:empty', '<v>:tool', '<v>:bad_tool', '<v>:chars',
                                       '<v>:chars_sq' of its replies (`clora.ingest.signals`)
     clora:t:{T}:distinct:{v}    hll   fingerprints of version v's first replies (answer diversity)
+    clora:t:{T}:prompts:{v}     hll   fingerprints of the prompts those replies answered
     clora:t:{T}:recent          list  the latest feedback records (console)
 
 Writes are Lua scripts, so "is this event new?" and "store its examples" are one atomic
@@ -275,12 +276,13 @@ return 1
 # Stores interactions of one tenant, each once, and adds each new one's reply to its version's
 # signals as it does (so a redelivered interaction counts once); returns, per interaction, the
 # feedback still parked for it (HGETALL's flat [id, json, ...]).
-# KEYS: seen, served, then per interaction i = 1.. : ix (KEYS[3i]), pending (KEYS[3i + 1]),
-#       distinct (KEYS[3i + 2]) ; last, the tenant's tombstone (a deleted tenant: nothing stored,
-#       nothing parked returned)
+# KEYS: seen, served, then per interaction i = 1.. : ix (KEYS[4i - 1]), pending (KEYS[4i]),
+#       distinct (KEYS[4i + 1]), prompts (KEYS[4i + 2]); last, the tenant's tombstone (a deleted
+#       tenant: nothing stored, nothing parked returned)
 # ARGV: now, ttl, window, diversity window, then the interactions as one JSON array
 #       (`ReplayBuffer._store_call`): [[event_id, interaction_json, version, empty 0/1, tool 0/1,
-#       bad_tool 0/1, length, fingerprint], ...], version '' for no traits: nothing counted.
+#       bad_tool 0/1, length, fingerprint, prompt fingerprint], ...], version '' for no traits:
+#       nothing counted; prompt fingerprint '' for none recorded.
 # One call per tenant and poll, its arguments one string (as `_ADD_EXAMPLES`).
 _STORE_INTERACTIONS = """
 local now, ttl, window, diversity = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -304,7 +306,7 @@ for i, it in ipairs(items) do
     known[eid] = true
     added = added + 1
     redis.call('ZADD', KEYS[1], now, eid)
-    redis.call('SET', KEYS[3 * i], it[2], 'EX', ttl)
+    redis.call('SET', KEYS[4 * i - 1], it[2], 'EX', ttl)
     if v ~= '' then
       local n = redis.call('HINCRBY', KEYS[2], v .. ':n', 1)
       for f, name in ipairs({'empty', 'tool', 'bad_tool'}) do
@@ -313,10 +315,13 @@ for i, it in ipairs(items) do
       local len = it[7]
       redis.call('HINCRBY', KEYS[2], v .. ':chars', len)
       redis.call('HINCRBY', KEYS[2], v .. ':chars_sq', len * len)
-      if n <= diversity then redis.call('PFADD', KEYS[3 * i + 2], it[8]) end
+      if n <= diversity then
+        redis.call('PFADD', KEYS[4 * i + 1], it[8])
+        if it[9] ~= '' then redis.call('PFADD', KEYS[4 * i + 2], it[9]) end
+      end
     end
   end
-  parked[i] = redis.call('HGETALL', KEYS[3 * i + 1])
+  parked[i] = redis.call('HGETALL', KEYS[4 * i])
 end
 if added > 0 then
   local over = redis.call('ZCARD', KEYS[1]) - window
@@ -507,9 +512,10 @@ class ReplayBuffer:
             t = item.traits
             version = "" if t is None else _version_field(t.version)
             keys += [tkey(tenant, "ix", item.interaction_id), tkey(tenant, "pending", item.interaction_id),
-                     tkey(tenant, "distinct", version or "none")]
-            rows.append([item.event_id, item.body, version] + ([0, 0, 0, 0, ""] if t is None else
-                        [int(t.empty), int(t.tool_call), int(t.bad_tool_call), t.length, t.fingerprint]))
+                     tkey(tenant, "distinct", version or "none"), tkey(tenant, "prompts", version or "none")]
+            rows.append([item.event_id, item.body, version] + ([0, 0, 0, 0, "", ""] if t is None else
+                        [int(t.empty), int(t.tool_call), int(t.bad_tool_call), t.length, t.fingerprint,
+                         t.prompt_fingerprint]))
         keys.append(Registry.tombstone_key(tenant))
         args = [now, self.policy.interaction_ttl_s, self.policy.dedup_window, DIVERSITY_WINDOW, to_json(rows)]
         return _ScriptCall(self._store, keys, args, _parked_lists)
@@ -581,11 +587,13 @@ class ReplayBuffer:
         pipe = self.r.pipeline(transaction=False)
         for v in versions:
             pipe.pfcount(tkey(tenant, "distinct", _version_field(v)))
+            pipe.pfcount(tkey(tenant, "prompts", _version_field(v)))
+        counts = pipe.execute()
         return {v: ServedSignals(n=fields[v]["n"], empty=fields[v].get("empty", 0),
                                  tool_calls=fields[v].get("tool", 0), bad_tool_calls=fields[v].get("bad_tool", 0),
                                  chars=fields[v].get("chars", 0), chars_sq=fields[v].get("chars_sq", 0),
-                                 distinct=distinct)
-                for v, distinct in zip(versions, pipe.execute())}
+                                 distinct=distinct, prompts=prompts)
+                for v, distinct, prompts in zip(versions, counts[::2], counts[1::2])}
 
     def recent_feedback(self, tenant: str, n: int = 50) -> list[dict]:
         return [json.loads(x) for x in self.r.lrange(tkey(tenant, "recent"), 0, n - 1)]

@@ -9,10 +9,17 @@ totals. `ServedSignals` is one version's totals as the buffer returns them
 A reply is *empty* when it has no tool call and its text is blank. A tool call is
 *unparseable* when its arguments are not a JSON object. A reply's *length* is its characters
 (text plus each tool call's name and arguments). Its *fingerprint* is a hash of its text
-lower-cased with whitespace collapsed (tool calls included), counted into a HyperLogLog:
-distinct fingerprints / replies is the version's answer diversity. Diversity is measured over
-a version's first `DIVERSITY_WINDOW` replies only, so versions that served for different
-lengths of time compare on equal footing (distinct answers grow slower than replies).
+lower-cased with whitespace collapsed (tool calls included), and its *prompt fingerprint* the
+same of the messages it answered; each is counted into a HyperLogLog per version.
+
+The version's answer diversity is distinct replies per distinct prompt (at most 1): replies
+that no longer depend on the question. Not per reply: RL sends each prompt to a group of
+episodes, and a policy that learned the task answers a group's episodes alike, so distinct
+replies per reply fell as it learned, and the guard rolled real learning back (`clora bench
+experiments --preset learn`: 0.73 -> 0.25 over a version whose reward rose 0.29 -> 0.81).
+Diversity is measured over a version's first `DIVERSITY_WINDOW` replies only, so versions that
+served for different lengths of time compare on equal footing (distinct answers grow slower
+than replies).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class ReplyTraits:
     length: int
     fingerprint: str
     """16 hex digits of a hash of the normalised reply."""
+    prompt_fingerprint: str = ""
+    """The same of the messages it answered ('' where unknown: the reply's count stands in)."""
 
     @staticmethod
     def of(ix: InteractionEvent) -> ReplyTraits:
@@ -60,11 +69,22 @@ class ReplyTraits:
         text = r.content or ""
         calls = r.tool_calls or []
         rendered = " ".join([text, *(f"{c.function.name}({c.function.arguments})" for c in calls)])
-        normal = _SPACE.sub(" ", rendered).strip().lower()
         return ReplyTraits(version=ix.adapter_version, empty=not calls and not text.strip(), tool_call=bool(calls),
                            bad_tool_call=any(not _json_object(c.function.arguments) for c in calls),
                            length=len(text) + sum(len(c.function.name) + len(c.function.arguments) for c in calls),
-                           fingerprint=hashlib.blake2b(normal.encode(), digest_size=8).hexdigest())
+                           fingerprint=_fingerprint(rendered),
+                           prompt_fingerprint=_fingerprint("\n".join(_rendered(m) for m in ix.messages)))
+
+
+def _rendered(message) -> str:
+    calls = message.tool_calls or []
+    return " ".join([message.role, message.content or "", *(f"{c.function.name}({c.function.arguments})"
+                                                              for c in calls)])
+
+
+def _fingerprint(text: str) -> str:
+    """16 hex digits of a hash of `text` lower-cased with whitespace collapsed."""
+    return hashlib.blake2b(_SPACE.sub(" ", text).strip().lower().encode(), digest_size=8).hexdigest()
 
 
 def _json_object(arguments: str) -> bool:
@@ -90,6 +110,9 @@ class ServedSignals:
     distinct: int
     """Distinct fingerprints among the first `DIVERSITY_WINDOW` replies (a HyperLogLog's
     estimate: exact in practice at these counts)."""
+    prompts: int = 0
+    """Distinct prompt fingerprints among the same replies (0: not recorded, as before replies
+    carried them)."""
 
     @property
     def empty_rate(self) -> float:
@@ -111,8 +134,9 @@ class ServedSignals:
 
     @property
     def diversity(self) -> float:
-        """Distinct replies per reply among the first `DIVERSITY_WINDOW` (1.0: all different)."""
-        return min(1.0, self.distinct / min(self.n, DIVERSITY_WINDOW))
+        """Distinct replies per distinct prompt among the first `DIVERSITY_WINDOW` replies, at
+        most 1.0 (each prompt answered its own way); per reply where prompts were not recorded."""
+        return min(1.0, self.distinct / (self.prompts or min(self.n, DIVERSITY_WINDOW)))
 
     def summary(self) -> dict[str, float | int]:
         """JSON-able numbers for the console and a guard's notes."""

@@ -28,7 +28,9 @@ The signals, each of L against R:
   `bad_tool_call_rise` and `z` standard errors;
 - `length`: the mean reply length fell below R's / `length_factor` or rose above R's x
   `length_factor`, by at least `z` standard errors;
-- `diversity`: distinct replies per reply fell below `diversity_fraction` x R's.
+- `diversity`: distinct replies per distinct prompt (`ServedSignals.diversity`) fell below
+  `diversity_fraction` x R's. Per prompt, not per reply: an RL group's episodes share a prompt,
+  and a policy that learned the task answers them alike.
 
 The rates' z is the two-proportion test's (pooled p: se = sqrt(p (1 - p) (1/n_R + 1/n_L))); the
 length's is Welch's, as the reward guard's.

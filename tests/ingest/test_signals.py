@@ -14,12 +14,12 @@ from clora.ingest.signals import DIVERSITY_WINDOW, ReplyTraits, ServedSignals
 
 
 def served(tenant: str, i: int, version: int | None, content: str | None = None, calls: list[str] = (),
-           interaction_id: str | None = None) -> InteractionEvent:
+           interaction_id: str | None = None, prompt: str | None = None) -> InteractionEvent:
     """Interaction `i` of `tenant`, answered by `version` with `content` and tool calls whose
     arguments are `calls`."""
     tool_calls = [{"id": f"c{k}", "function": {"name": "calculator", "arguments": a}} for k, a in enumerate(calls)]
     return InteractionEvent(tenant=tenant, interaction_id=interaction_id or f"i{i}", adapter_version=version,
-                            messages=[{"role": "user", "content": f"q{i}"}],
+                            messages=[{"role": "user", "content": prompt or f"q{i}"}],
                             response={"role": "assistant", "content": content, "tool_calls": tool_calls or None})
 
 
@@ -79,3 +79,31 @@ def test_diversity_is_counted_over_a_versions_first_replies(redis_client, tenant
                               traits=ReplyTraits.of(ix))
     s = buf.served_signals(tenant_id)[1]
     assert s.n == DIVERSITY_WINDOW + 20 and s.distinct == DIVERSITY_WINDOW and s.diversity == 1.0
+
+
+def test_diversity_is_per_distinct_prompt_when_prompts_are_recorded():
+    prompt = {ReplyTraits.of(served("t", k, 1, "x", prompt=p)).prompt_fingerprint for k, p in enumerate(["Hi  A", "hi a"])}
+    assert len(prompt) == 1 and ReplyTraits.of(served("t", 3, 1, "x", prompt="hi b")).prompt_fingerprint not in prompt
+    # 4 prompts, 8 episodes each, one answer per prompt: each prompt answered its own way
+    assert ServedSignals(n=32, empty=0, tool_calls=0, bad_tool_calls=0, chars=0, chars_sq=0, distinct=4,
+                         prompts=4).diversity == 1.0
+    assert ServedSignals(n=32, empty=0, tool_calls=0, bad_tool_calls=0, chars=0, chars_sq=0, distinct=1,
+                         prompts=4).diversity == 0.25
+
+
+@pytest.mark.integration
+def test_the_worker_script_counts_each_versions_prompts(redis_client, tenant_id):
+    """Groups of episodes on the same prompts: the converged version's answers are one per
+    prompt (diversity 1.0); one answer to every prompt is 1 per 4."""
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+    batch = buf.batch()
+    for i in range(32):
+        prompt = f"what is {i % 4} + 1?"
+        for version, answer in ((1, f"{i % 4 + 1}"), (2, "42")):
+            ix = served(tenant_id, i, version, answer, prompt=prompt, interaction_id=f"i{i}-v{version}")
+            batch.store_interaction(tenant_id, ix.event_id, ix.interaction_id, ix.model_dump_json(), now=time.time(),
+                                    traits=ReplyTraits.of(ix))
+    batch.execute()
+    signals = buf.served_signals(tenant_id)
+    assert (signals[1].n, signals[1].distinct, signals[1].prompts, signals[1].diversity) == (32, 4, 4, 1.0)
+    assert (signals[2].distinct, signals[2].prompts, signals[2].diversity) == (1, 4, 0.25)

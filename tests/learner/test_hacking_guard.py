@@ -16,13 +16,13 @@ SETTINGS = HackingSettings(min_samples=12, min_replies=20, reward_margin=0.1, em
 
 
 def signals(n: int = 40, empty: int = 0, bad: int = 0, length: float = 60.0, spread: float = 10.0,
-            distinct: int | None = None) -> ServedSignals:
+            distinct: int | None = None, prompts: int = 0) -> ServedSignals:
     """n replies, `empty` of them empty, `bad` with an unparseable tool call, mean `length` with
     standard deviation about `spread`, `distinct` different ones (default: all)."""
     chars = round(n * length)
     return ServedSignals(n=n, empty=empty, tool_calls=bad, bad_tool_calls=bad, chars=chars,
                          chars_sq=round(chars * chars / n + (n - 1) * spread * spread),
-                         distinct=n if distinct is None else distinct)
+                         distinct=n if distinct is None else distinct, prompts=prompts)
 
 
 HEALTHY = signals()
@@ -190,3 +190,15 @@ def test_a_version_an_operator_made_live_again_is_left_alone(world, tiny_model_d
     reg.set_live_version("acme", 3)
     again = lr.rollback.guard_hacking(reg.tenants["acme"])
     assert not again.trip and "made live again" in again.reason and reg.live_version("acme") == 3
+
+
+def test_a_policy_that_answers_each_groups_episodes_alike_is_not_degenerate():
+    """RL sends each prompt to a group: a version that learned the task gives a group's 8
+    episodes one answer (4 prompts, 4 distinct replies among 32), where its ancestor gave each
+    its own. Per prompt that is no loss of diversity; one answer to every prompt is."""
+    learned = signals(32, distinct=4, prompts=4)
+    assert learned.diversity == 1.0
+    assert not judge(4, CHAIN, REWARDS, {3: signals(32, distinct=30, prompts=4), 4: learned}, SETTINGS).trip
+    same_to_all = judge(4, CHAIN, REWARDS, {3: signals(32, distinct=30, prompts=4),
+                                             4: signals(32, distinct=1, prompts=4)}, SETTINGS)
+    assert same_to_all.trip and same_to_all.degraded == ("diversity",)
