@@ -158,8 +158,10 @@ class Heartbeat:
         def exit_now(silent_s: float) -> None:
             os._exit(WATCHDOG_EXIT_CODE)
 
+        stopped = stop or threading.Event()
+
         def watch() -> None:
-            while stop is None or not stop.is_set():
+            while not stopped.is_set():
                 silent = time.monotonic() - self.last
                 if silent > stall_s:
                     logging.getLogger(__name__).error(
@@ -168,10 +170,7 @@ class Heartbeat:
                     faulthandler.dump_traceback(all_threads=True)
                     (on_stall or exit_now)(silent)
                     return
-                if stop is None:
-                    time.sleep(min(1.0, stall_s / 4))
-                else:
-                    stop.wait(min(1.0, stall_s / 4))
+                stopped.wait(min(1.0, stall_s / 4))
 
         thread = threading.Thread(target=watch, name="watchdog", daemon=True)
         thread.start()

@@ -88,7 +88,7 @@ def _tenant_mismatch(fb: FeedbackEvent, tenant: str) -> ValueError:
     return ValueError(f"feedback {fb.event_id} of tenant {fb.tenant} joined interaction of {tenant}")
 
 
-def join_stored(stored: bytes, fb: FeedbackEvent, spec: RewardSpec | None = None) -> list:
+def join_stored(stored: str | bytes, fb: FeedbackEvent, spec: RewardSpec | None = None) -> list:
     """`build_examples` of the interaction whose stored JSON is `stored` (written by the worker
     from a validated `InteractionEvent`, so not validated again on this path)."""
     if fb.correction is not None:

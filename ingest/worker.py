@@ -38,7 +38,7 @@ from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
 from clora.ingest.buffers import BufferPolicy, InteractionWrite, ParkResult, PendingWrite, ReplayBuffer
-from clora.ingest.joiner import build_examples, join_stored, untrained_reason
+from clora.ingest.joiner import join_stored, untrained_reason
 from clora.ingest.producer import EventProducer
 from clora.ingest.reports import record_dead_letters
 from clora.ingest.signals import ReplyTraits
@@ -257,20 +257,23 @@ class IngestWorker:
         for ix in interactions:
             by_tenant[ix.tenant].append(ix)
         batch = self.buffers.batch()
+        stored: list[InteractionWrite] = []
         for tenant, mine in by_tenant.items():     # one script call per tenant
             # each reply's traits: the reward-hacking guard's signals
-            batch.store_interactions(tenant, [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json(),
-                                                               traits=ReplyTraits.of(ix)) for ix in mine], now=now)
+            items = [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json(), traits=ReplyTraits.of(ix))
+                     for ix in mine]
+            batch.store_interactions(tenant, items, now=now)
+            stored += items
         parked_lists = [parked for per_tenant in batch.execute() for parked in per_tenant]
         metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
         # Feedback that arrived before its interaction: apply it now (guarded by removal
         # from the parked hash, so a second drain of the same feedback stores nothing).
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
-        for ix, parked in zip([ix for mine in by_tenant.values() for ix in mine], parked_lists, strict=True):
+        for item, parked in zip(stored, parked_lists, strict=True):
             for body in parked:
                 fb = FeedbackEvent.model_validate_json(body)
                 # no recent-list entry: it was listed when it was parked
-                writes[ix.tenant].append(self._pending(ix, fb, "", parked_for=ix.interaction_id))
+                writes[fb.tenant].append(self._pending(item.body, fb, "", parked_for=item.interaction_id))
         if writes:
             batch = self.buffers.batch()
             for tenant, items in writes.items():
@@ -298,9 +301,7 @@ class IngestWorker:
             if stored is None:
                 parked.append(fb)
                 continue
-            spec = self._reward_spec(fb.tenant)
-            writes[fb.tenant].append(PendingWrite(fb.event_id, join_stored(stored, fb, spec), _recent(fb),
-                                                  untrained=untrained_reason(fb, spec) or ""))
+            writes[fb.tenant].append(self._pending(stored, fb, _recent(fb)))
         batch = self.buffers.batch()
         for fb in parked:
             batch.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
@@ -320,11 +321,12 @@ class IngestWorker:
             len(add_results) - stored + park_results.count(ParkResult.DUPLICATE))
         return retry
 
-    def _pending(self, ix: InteractionEvent, fb: FeedbackEvent, recent: str,
+    def _pending(self, stored: str | bytes, fb: FeedbackEvent, recent: str,
                  parked_for: str | None = None) -> PendingWrite:
-        """The write of `fb` joined with `ix` under the tenant's reward spec."""
+        """The write of `fb` joined with the interaction stored as `stored` (its JSON) under the
+        tenant's reward spec."""
         spec = self._reward_spec(fb.tenant)
-        return PendingWrite(fb.event_id, build_examples(ix, fb, spec), recent, parked_for=parked_for,
+        return PendingWrite(fb.event_id, join_stored(stored, fb, spec), recent, parked_for=parked_for,
                             untrained=untrained_reason(fb, spec) or "")
 
     def _policy(self, tenant: str) -> LearningPolicy | None:
