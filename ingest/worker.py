@@ -5,7 +5,8 @@ that turns events into per-tenant training examples in Redis.
 
 Per poll: validate every record (invalid ones go to `clora.dlq` with the reason), store
 interactions (counting each reply in its serving version's signals, `clora.ingest.signals`), join feedback with its interaction (or park it until the interaction comes),
-write examples — all in pipelined Lua scripts — and only then commit the offsets. A crash
+write examples — all in pipelined Lua scripts — and only then commit the offsets. The next
+poll is fetched and validated while Redis stores the last one (`IngestWorker.run`). A crash
 at any point redelivers the batch; the scripts' de-duplication makes that harmless, so every
 accepted event lands in the buffers exactly once.
 
@@ -23,10 +24,12 @@ import os
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import redis
 from kafka import KafkaConsumer, TopicPartition
+from kafka.structs import OffsetAndMetadata
 from kafka.errors import CommitFailedError, KafkaError
 from pydantic import ValidationError
 from pydantic_core import to_json
@@ -37,7 +40,7 @@ from clora.registry import LearningPolicy, Registry, RegistryError
 from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
-from clora.ingest.buffers import BufferPolicy, InteractionWrite, ParkResult, PendingWrite, ReplayBuffer
+from clora.ingest.buffers import BufferBatch, BufferPolicy, InteractionWrite, ParkResult, PendingWrite, ReplayBuffer
 from clora.ingest.joiner import join_stored, untrained_reason
 from clora.ingest.producer import EventProducer
 from clora.ingest.reports import record_dead_letters
@@ -66,6 +69,23 @@ class _Batch:
     interactions: list[InteractionEvent] = field(default_factory=list)
     feedback: list[FeedbackEvent] = field(default_factory=list)
     dead: list[DeadLetter] = field(default_factory=list)
+    size: int = 0
+    """How many records it was parsed from."""
+
+
+@dataclass
+class _Writes:
+    """A parsed batch's Redis writes, queued and not sent yet (`IngestWorker.prepare`)."""
+
+    batch: _Batch
+    calls: BufferBatch
+    now: float
+    interactions: list[InteractionWrite] = field(default_factory=list)
+    """The items of its interaction store calls, in the order of their answers' parked lists."""
+    store_calls: int = 0
+    """How many of `calls` come first and store interactions; the park and add calls follow."""
+    parked: list[FeedbackEvent] = field(default_factory=list)
+    pending: list[PendingWrite] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -135,55 +155,99 @@ class IngestWorker:
         )
 
     def run(self, stop: threading.Event) -> None:
+        """Poll, store, commit, until `stop`. Pipelined by one batch: a poll's records are fetched,
+        parsed, joined and their writes built (`prepare`) while the batch before them is being
+        written (`apply`, on one thread of its own), so the worker's Python and Redis's own work
+        run side by side instead of in turn. Batches are
+        stored one at a time and in order, and a batch's offsets are committed only after Redis
+        has all of it."""
         self.heartbeat.beat()
         consumer = self.consumer()
         log.info("ingest worker %s joined group %s", self.client_id, self.settings.group_id)
         last_gauges = 0.0
-        timeout_ms = self.settings.request_timeout_ms
+        storing: tuple[Future[bool], list] | None = None      # the batch in Redis's hands, and its records
+        pool = ThreadPoolExecutor(1, thread_name_prefix="clora-ingest-store")
         try:
             while not stop.is_set():
                 self.heartbeat.beat()
-                polled = consumer.poll(timeout_ms=500)
+                # with a batch in flight, take only what has already arrived, so that its commit
+                # never waits for new records
+                polled = consumer.poll(timeout_ms=0 if storing else 500)
                 records = [rec for recs in polled.values() for rec in recs]
-                if records:
-                    if not self._handle_until_stored(records, stop):
-                        break                  # stopping mid-outage: nothing committed, redelivered later
-                    self._maybe_crash_before_commit()
-                    try:
-                        consumer.commit(timeout_ms=timeout_ms)      # only after Redis has every example
-                        for rec in records:
-                            tp = TopicPartition(rec.topic, rec.partition)
-                            self._committed[tp] = max(self._committed.get(tp, 0), rec.offset + 1)
-                    except CommitFailedError as e:
-                        # we were out of the group (e.g. a long Redis outage): the records go to
-                        # whoever holds the partition now, and de-duplication makes that harmless
-                        log.warning("offset commit refused after a rebalance: %s", e)
-                    except KafkaError as e:
-                        # not committed in time: the batch is redelivered later, harmlessly
-                        log.warning("offset commit failed (%s); the batch will be redelivered", e)
+                writes = self._prepare_now(self.parse_all(records)) if records else None
+                if storing is not None:
+                    if not self._finish(consumer, storing):
+                        return                 # stopping mid-outage: nothing committed, redelivered later
+                    storing = None
+                if writes is not None:
+                    storing = pool.submit(self._store_until_stored, writes, stop), records
                 if time.monotonic() - last_gauges > 2.0:
                     try:
                         self._update_gauges(consumer)
                     except (redis.RedisError, KafkaError) as e:
                         log.warning("metrics not updated: %s", e)
                     last_gauges = time.monotonic()
+            if storing is not None:
+                self._finish(consumer, storing)
         finally:
-            consumer.close(autocommit=False, timeout_ms=timeout_ms)
+            pool.shutdown(wait=True)
+            consumer.close(autocommit=False, timeout_ms=self.settings.request_timeout_ms)
             if self._dlq is not None:
                 self._dlq.close()
 
-    def _handle_until_stored(self, records: list, stop: threading.Event) -> bool:
-        """`handle` the batch, retrying with backoff while Redis is unreachable (the writes are
-        idempotent, so a retry after a half-applied attempt stores nothing twice). False if
-        asked to stop before the batch was stored."""
+    def _finish(self, consumer: KafkaConsumer, storing: tuple[Future[bool], list]) -> bool:
+        """Wait for the batch being stored to be in Redis, then commit its records' offsets (and
+        only theirs: the consumer's position is already past the next poll). False if it was
+        stopped before it was stored."""
+        future, records = storing
+        while not wait([future], timeout=1.0).done:
+            self.heartbeat.beat()              # a store retrying through a Redis outage is not a hang
+        if not future.result():                # its error, if it raised one
+            return False
+        self._maybe_crash_before_commit()
+        offsets: dict[TopicPartition, int] = {}
+        for rec in records:
+            tp = TopicPartition(rec.topic, rec.partition)
+            offsets[tp] = max(offsets.get(tp, 0), rec.offset + 1)
+        try:
+            consumer.commit({tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()},
+                            timeout_ms=self.settings.request_timeout_ms)   # only after Redis has every example
+            for tp, off in offsets.items():
+                self._committed[tp] = max(self._committed.get(tp, 0), off)
+        except CommitFailedError as e:
+            # we were out of the group (e.g. a long Redis outage): the records go to
+            # whoever holds the partition now, and de-duplication makes that harmless
+            log.warning("offset commit refused after a rebalance: %s", e)
+        except KafkaError as e:
+            # not committed in time: the batch is redelivered later, harmlessly
+            log.warning("offset commit failed (%s); the batch will be redelivered", e)
+        return True
+
+    def _prepare_now(self, batch: "_Batch") -> "_Writes | _Batch":
+        """`prepare` the batch, or leave it to the storing thread (which retries) when Redis is
+        unreachable."""
+        try:
+            return self.prepare(batch)
+        except redis.RedisError:
+            return batch
+
+    def _store_until_stored(self, writes: "_Writes | _Batch", stop: threading.Event) -> bool:
+        """`apply` the prepared writes (or `store` the batch), retrying with backoff while Redis
+        is unreachable (the writes are idempotent, so a retry after a half-applied attempt stores
+        nothing twice; a retry prepares the batch again). False if asked to stop before the batch
+        was stored."""
+        batch = writes.batch if isinstance(writes, _Writes) else writes
         delay = 0.1
         while True:
             try:
-                self.handle(records)
+                if isinstance(writes, _Writes):
+                    self.apply(writes)
+                else:
+                    self.store(batch)
                 return True
             except redis.RedisError as e:
-                self.heartbeat.beat()          # waiting on Redis is not a hang
-                log.warning("Redis unavailable (%s); retrying %d records in %.1f s", e, len(records), delay)
+                writes = batch
+                log.warning("Redis unavailable (%s); retrying %d records in %.1f s", e, batch.size, delay)
                 if stop.wait(delay):
                     return False
                 delay = min(delay * 2, 5.0)
@@ -221,7 +285,12 @@ class IngestWorker:
 
     def handle(self, records: list) -> None:
         """Process one poll's records. Returns after every effect is durable in Redis/Kafka."""
-        batch = _Batch()
+        self.store(self.parse_all(records))
+
+    @staticmethod
+    def parse_all(records: list) -> "_Batch":
+        """One poll's records, validated and sorted (no I/O)."""
+        batch = _Batch(size=len(records))
         for rec in records:
             event = parse(rec)
             if isinstance(event, InteractionEvent):
@@ -230,12 +299,48 @@ class IngestWorker:
                 batch.feedback.append(event)
             else:
                 batch.dead.append(event)
-        self._dead_letter(batch.dead)
-        self._store_interactions(batch.interactions)
-        self._store_feedback(batch.feedback)
-        self.processed += len(records)
-        metrics.EVENT_RATE.set(self.rate.add(len(records)))
+        return batch
 
+    def store(self, batch: "_Batch") -> None:
+        """Every effect of a parsed batch, durable in Redis/Kafka when it returns."""
+        self.apply(self.prepare(batch))
+
+    def prepare(self, batch: "_Batch") -> "_Writes":
+        """The batch's writes, built and queued on one pipeline, not sent: each interaction's
+        store, and each score joined with its interaction as Redis has it now (one read) or
+        parked. What this read misses because an interaction is stored after it (in the same
+        batch, or in the one still being stored) is found by the park script, which answers
+        that the interaction is there, and joined again in `apply`."""
+        now = time.time()
+        w = _Writes(batch, self.buffers.batch(), now)
+        by_tenant: dict[str, list[InteractionEvent]] = defaultdict(list)
+        for ix in batch.interactions:
+            by_tenant[ix.tenant].append(ix)
+        for tenant, mine in by_tenant.items():     # one script call per tenant
+            # each reply's traits: the reward-hacking guard's signals
+            items = [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json(), traits=ReplyTraits.of(ix))
+                     for ix in mine]
+            w.calls.store_interactions(tenant, items, now=now)
+            w.interactions += items
+        w.store_calls = len(by_tenant)
+        if batch.feedback:
+            w.parked, w.pending = self._queue_feedback(w.calls, batch.feedback, now)
+        return w
+
+    def apply(self, w: "_Writes") -> None:
+        """Send a prepared batch's writes and finish what their answers ask for: feedback parked
+        before its interaction, now drained, and feedback whose interaction was stored since
+        `prepare` read it."""
+        self._dead_letter(w.batch.dead)
+        results = w.calls.execute()
+        parked_lists = [parked for per_tenant in results[:w.store_calls] for parked in per_tenant]
+        if w.interactions:
+            metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(w.interactions))
+            self._drain_parked(w.interactions, parked_lists, w.now)
+        retry = self._feedback_done(w.parked, w.pending, results[w.store_calls:])
+        self._store_feedback(retry)
+        self.processed += w.batch.size
+        metrics.EVENT_RATE.set(self.rate.add(w.batch.size))
     def _dead_letter(self, dead: list[DeadLetter]) -> None:
         if not dead:
             return
@@ -249,25 +354,10 @@ class IngestWorker:
         metrics.DLQ.inc(len(dead))
         metrics.EVENTS.labels("any", "dead_letter").inc(len(dead))
 
-    def _store_interactions(self, interactions: list[InteractionEvent]) -> None:
-        if not interactions:
-            return
-        now = time.time()
-        by_tenant: dict[str, list[InteractionEvent]] = defaultdict(list)
-        for ix in interactions:
-            by_tenant[ix.tenant].append(ix)
-        batch = self.buffers.batch()
-        stored: list[InteractionWrite] = []
-        for tenant, mine in by_tenant.items():     # one script call per tenant
-            # each reply's traits: the reward-hacking guard's signals
-            items = [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json(), traits=ReplyTraits.of(ix))
-                     for ix in mine]
-            batch.store_interactions(tenant, items, now=now)
-            stored += items
-        parked_lists = [parked for per_tenant in batch.execute() for parked in per_tenant]
-        metrics.EVENTS.labels(TOPIC_INTERACTIONS, "stored").inc(len(interactions))
-        # Feedback that arrived before its interaction: apply it now (guarded by removal
-        # from the parked hash, so a second drain of the same feedback stores nothing).
+    def _drain_parked(self, stored: list[InteractionWrite], parked_lists: list[list[bytes]], now: float) -> None:
+        """Feedback that arrived before its interaction, handed back by the store script: apply
+        it now (guarded by removal from the parked hash, so a second drain of the same feedback
+        stores nothing)."""
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
         for item, parked in zip(stored, parked_lists, strict=True):
             for body in parked:
@@ -287,13 +377,17 @@ class IngestWorker:
         for _attempt in range(5):
             if not todo:
                 return
-            todo = self._store_feedback_once(todo)
-        raise RuntimeError(f"{len(todo)} feedback records kept racing their interactions")
+            now = time.time()
+            batch = self.buffers.batch()
+            parked, pending = self._queue_feedback(batch, todo, now)
+            todo = self._feedback_done(parked, pending, batch.execute())
+        if todo:
+            raise RuntimeError(f"{len(todo)} feedback records kept racing their interactions")
 
-    def _store_feedback_once(self, feedback: list[FeedbackEvent]) -> list[FeedbackEvent]:
-        """Join what can be joined, park the rest; returns feedback whose interaction arrived
-        between our read and our park (to be joined on the next pass)."""
-        now = time.time()
+    def _queue_feedback(self, batch: BufferBatch, feedback: list[FeedbackEvent],
+                        now: float) -> tuple[list[FeedbackEvent], list[PendingWrite]]:
+        """Queue on `batch` the join of each score whose interaction is stored (one read for
+        all), and the parking of the others; returns (parked, joined) in the order queued."""
         found = self.buffers.stored_interaction_bodies([(fb.tenant, fb.interaction_id) for fb in feedback])
         writes: dict[str, list[PendingWrite]] = defaultdict(list)
         parked: list[FeedbackEvent] = []
@@ -302,24 +396,28 @@ class IngestWorker:
                 parked.append(fb)
                 continue
             writes[fb.tenant].append(self._pending(stored, fb, _recent(fb)))
-        batch = self.buffers.batch()
         for fb in parked:
             batch.park_feedback(fb.tenant, fb.event_id, fb.interaction_id, fb.model_dump_json(),
                                 now=now, recent=_recent(fb))
         for tenant, items in writes.items():
             batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
         self._depth_tenants.update(writes)
-        results = batch.execute()
+        return parked, [item for items in writes.values() for item in items]
+
+    def _feedback_done(self, parked: list[FeedbackEvent], pending: list[PendingWrite],
+                       results: list) -> list[FeedbackEvent]:
+        """Count what the park and add calls of `_queue_feedback` did (`results`: their answers in
+        order); returns the feedback whose interaction arrived between the read and the park (to
+        be joined again)."""
         park_results: list[ParkResult] = results[:len(parked)]
         add_results = [stored for flags in results[len(parked):] for stored in flags]
-        _count_untrained([item for items in writes.values() for item in items], add_results)
-        retry = [fb for fb, res in zip(parked, park_results) if res == ParkResult.INTERACTION_STORED]
+        _count_untrained(pending, add_results)
         stored = sum(add_results)
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "stored").inc(stored)
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "parked").inc(park_results.count(ParkResult.PARKED))
         metrics.EVENTS.labels(TOPIC_FEEDBACK, "duplicate").inc(
             len(add_results) - stored + park_results.count(ParkResult.DUPLICATE))
-        return retry
+        return [fb for fb, res in zip(parked, park_results) if res == ParkResult.INTERACTION_STORED]
 
     def _pending(self, stored: str | bytes, fb: FeedbackEvent, recent: str,
                  parked_for: str | None = None) -> PendingWrite:
