@@ -273,6 +273,8 @@ def bench_experiments(
         learning_rate: Annotated[float | None, typer.Option(help="Learner learning rate (speed: 1e-3)")] = None,
         reward_threshold: Annotated[float, typer.Option(help="Report each mode's time until every experiment had a "
                                                "step whose rollouts averaged at least this reward")] = 0.8,
+        reward_window: Annotated[int | None, typer.Option(help="Steps the time to the reward threshold and the "
+                                                 "smoothed reward curve average over (speed: 1, learn: 4)")] = None,
         model: Annotated[str, typer.Option(help="smollm2 or a local HF model directory")] = "smollm2",
         models_dir: Annotated[str, typer.Option(help="Where smollm2 is converted once")] = ".clora/models",
         training_mode: Annotated[str, typer.Option(help="Learner training mode: serial or fused")] = "serial",
@@ -293,7 +295,8 @@ def bench_experiments(
     _logging(log_level)
     try:
         given = {k: v for k, v in {"steps": steps, "group_size": group_size, "prompts_per_step": prompts_per_step,
-                                   "learning_rate": learning_rate}.items() if v is not None}   # the rest: the preset's
+                                   "learning_rate": learning_rate, "reward_window": reward_window}.items()
+                 if v is not None}   # the rest: the preset's
         if n is not None:
             given["ns"] = tuple(int(x) for x in n.split(",") if x.strip())
         if difficulty is not None:

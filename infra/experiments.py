@@ -106,8 +106,9 @@ PRESETS: dict[str, dict] = {
     # a visible rise from the 6-step SFT adapter (rollout reward ~0.4): 16 on-policy steps of
     # 2 prompts × 8 episodes (wide groups: more of them have a reward spread) at 3e-4, between
     # the bench's cautious 1e-4 for imported adapters and the 2e-3 the SFT itself steps at
+    # and the reward read over 4 steps (64 episodes of 8 prompts), not one step's 2 prompts
     "learn": {"ns": (1, 4), "steps": 16, "prompts_per_step": 2, "group_size": 8, "learning_rate": 3e-4,
-              "difficulty": "easy"},
+              "difficulty": "easy", "reward_window": 4},
 }
 ENV_DEFAULTS: dict[str, dict[str, int]] = {
     "arithmetic": {"max_tokens": 48, "max_turns": 3},
@@ -158,6 +159,9 @@ class BenchConfig:
     experiment's final version are scored on, untimed; 0: no held-out evaluation."""
     reward_threshold: float = 0.8
     """The mean rollout reward whose first reach each experiment's time is reported at."""
+    reward_window: int = 1
+    """Steps the threshold's reach and the smoothed curve average over (each step's own mean
+    rests on its few prompts: 2 in the learn preset, whose draw moves it more than learning)."""
     preset: Literal["speed", "learn"] = "speed"
     """Which `PRESETS` entry the knobs started from (`from_preset`)."""
 
@@ -174,6 +178,10 @@ class BenchConfig:
             raise ValueError(f"eval_size must be >= 0, got {self.eval_size}")
         if not 0.0 < self.reward_threshold <= 1.0:
             raise ValueError(f"reward_threshold must be in (0, 1], got {self.reward_threshold}")
+        if self.reward_window < 1:
+            raise ValueError(f"reward_window must be >= 1, got {self.reward_window}")
+        if self.reward_window > self.steps:        # a preset's window over fewer steps: all of them
+            object.__setattr__(self, "reward_window", self.steps)
         if self.preset == "learn" and self.init_adapter is None:
             raise ValueError("--preset learn starts from an adapter that already calls the tools (the base model "
                              "scores 0 and RL gets no gradient): make one with `python benchmarks/make_calc_adapter.py"
@@ -276,16 +284,24 @@ def sequential_prefix(experiments: Sequence[ExperimentResult], n: int) -> list[E
     return sorted(experiments, key=lambda e: e.index)[:n]
 
 
-def time_to_reward(e: ExperimentResult, threshold: float) -> float | None:
+def time_to_reward(e: ExperimentResult, threshold: float, window: int = 1) -> float | None:
     """Seconds from the experiment's start (its platform's start-up included) to the end of the
-    rollouts of its first step whose mean reward is at least `threshold`; None if none was.
-    Example: start-up 30 s, steps of 10 s with rewards 0.5, 0.9 and rollouts of 4 s: 30 + 10 + 4 = 44."""
+    rollouts of its first step whose mean reward, averaged with the `window - 1` steps before
+    it, is at least `threshold`; None if none was.
+    Example: start-up 30 s, steps of 10 s with rewards 0.5, 0.9 and rollouts of 4 s: 30 + 10 + 4 = 44
+    (window 1); with window 2 the mean 0.7 never reaches 0.8: None."""
     elapsed = e.startup_s
-    for s in e.steps:
-        if s.reward >= threshold:
+    for i, s in enumerate(e.steps):
+        if i + 1 >= window and statistics.fmean(x.reward for x in e.steps[i + 1 - window:i + 1]) >= threshold:
             return elapsed + s.import_s + s.rollout_s
         elapsed += s.seconds
     return None
+
+
+def rolling(curve: Sequence[float], window: int) -> list[float]:
+    """The mean of each `window` consecutive values of `curve`, ending at its `window`-th
+    value: rolling([0, 1, 0, 1], 2) == [0.5, 0.5, 0.5]."""
+    return [statistics.fmean(curve[i + 1 - window:i + 1]) for i in range(window - 1, len(curve))]
 
 
 def work_summary(work: CoreSeconds | None, steps: int) -> dict | None:
@@ -298,15 +314,15 @@ def work_summary(work: CoreSeconds | None, steps: int) -> dict | None:
 
 
 def summarize(experiments: Sequence[ExperimentResult], threshold: float = 0.8,
-              work: CoreSeconds | None = None) -> dict:
+              work: CoreSeconds | None = None, window: int = 1) -> dict:
     """Wall time to the last experiment's end (from the first one's start), mean experiment
     time, mean step time and its phases over every step, final rewards and step outcomes, the
-    reward curve and the wall time until every experiment had reached `threshold` (None unless
-    all did), and the core-seconds used (`work`, or the sum of the experiments' own)."""
+    reward curve (and its `rolling` mean over `window` steps) and the wall time until every
+    experiment had reached `threshold` over `window` steps (None unless all did), and the core-seconds used (`work`, or the sum of the experiments' own)."""
     steps = [s for e in experiments for s in e.steps]
     if work is None and experiments and all(e.work is not None for e in experiments):
         work = sum((e.work for e in experiments[1:]), experiments[0].work)
-    reached = [(e.started, time_to_reward(e, threshold)) for e in experiments]
+    reached = [(e.started, time_to_reward(e, threshold, window)) for e in experiments]
     finals = [e.final_reward for e in experiments]
     reward_mean, reward_std = mean_std(finals)
     outcomes: dict[str, int] = {}
@@ -335,6 +351,8 @@ def summarize(experiments: Sequence[ExperimentResult], threshold: float = 0.8,
         "held_out_unseen_mean": statistics.fmean(h.unseen for h in held) if held else None,
         "outcomes": outcomes,
         "reward_curve": reward_curve(experiments),
+        "reward_window": window,
+        "reward_curve_rolling": rolling(reward_curve(experiments), window),
         "threshold_reached": sum(t is not None for _, t in reached),
         "time_to_threshold_s": (max(start + t for start, t in reached) - min(e.started for e in experiments)
                                 if all(t is not None for _, t in reached) else None),
@@ -426,8 +444,8 @@ def build_report(config: BenchConfig, sequential: Sequence[ExperimentResult],
     `split` B's CPU settings (`core_split`)."""
     rows = []
     for n in sorted(concurrent):
-        a = summarize(sequential_prefix(sequential, n), config.reward_threshold)
-        b = summarize(concurrent[n], config.reward_threshold, (concurrent_work or {}).get(n))
+        a = summarize(sequential_prefix(sequential, n), config.reward_threshold, window=config.reward_window)
+        b = summarize(concurrent[n], config.reward_threshold, (concurrent_work or {}).get(n), config.reward_window)
         rows.append({"n": n, "sequential": a, "concurrent": b, **compare(a, b),
                      "bound": machine_bound(a, b, n, cores, split) if cores else None})
     top = next((r for r in rows if r["n"] == TARGET["n"]), None)
@@ -463,8 +481,10 @@ def table(report: dict) -> Table:
                  + "; bound = the growth B's measured rollout + training core-seconds allow on "
                  f"{report.get('cores') or '?'} cores (split: with B's engine and learner each on its own cores; "
                  "core-s per round: rollout / train / other; busy: engine / learner share of the cores); "
-                 f"to reward ≥ {threshold:g} = time until every experiment had a step averaging that (experiments "
-                 "that did)")
+                 f"to reward ≥ {threshold:g} = time until every experiment had "
+                 + ("a step" if report["config"].get("reward_window", 1) == 1
+                    else f"{report['config']['reward_window']} steps in a row")
+                 + " averaging that (experiments that did)")
     for col in ("N", "A time s", "B time s", "speedup", "A exp s", "B exp s", "A step s (roll/train/sync)",
                 "B step s (roll/train/sync)", "step growth", "bound growth (core-s/round; busy)", "growth / bound",
                 f"A / B s to reward ≥ {threshold:g}", "A final reward", "B final reward", "B within ±1σ",
@@ -534,6 +554,11 @@ def curve_table(report: dict) -> Table:
         for mode, label in (("sequential", "A"), ("concurrent", "B")):
             curve = r[mode]["reward_curve"]
             t.add_row(f"{label}, N = {r['n']}", *(f"{x:.2f}" for x in curve), *([""] * (longest - len(curve))))
+            window = r[mode].get("reward_window", 1)
+            if window > 1:        # the same, over the last `window` steps
+                smooth = r[mode]["reward_curve_rolling"]
+                t.add_row(f"{label}, N = {r['n']}, last {window}", *([""] * (window - 1)), *(f"{x:.2f}" for x in smooth),
+                          *([""] * (longest - len(smooth) - window + 1)))
     return t
 
 

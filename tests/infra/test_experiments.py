@@ -14,7 +14,7 @@ from clora.infra.bench_platform import CoreSeconds
 from clora.infra.experiments import (CORE_SPLIT, PRESETS, Bench, BenchConfig, Experiment, ExperimentError,
                                       ExperimentResult, LearnerCounters, Stack, StepRecord, build_report, compare, curve_table,
                                       machine_bound, mean_std, reward_curve, sequential_prefix, summarize, table,
-                                      time_to_reward, training_examples)
+                                      rolling, time_to_reward, training_examples)
 from clora.agents.envs import ArithmeticEnv
 from clora.agents.runtime import EpisodeTrace, Turn
 from clora.agents.simulate import HeldOutScores, OperatorSimulator, Rollout, StepReport
@@ -359,6 +359,25 @@ def test_time_to_reward_counts_start_up_earlier_steps_and_the_reaching_rollout()
     assert time_to_reward(e, 1.0) == 1 + 12 + 2
     assert time_to_reward(e, 0.5) == 1 + 2
     assert time_to_reward(dataclasses.replace(e, steps=e.steps[:1]), 0.8) is None
+    # over 2 steps: the mean of the step and the one before it must reach the threshold
+    assert time_to_reward(e, 0.8, window=2) == 1 + 12 + 2      # (0.9 + 1.0) / 2; step 2's (0.5 + 0.9) / 2 is short
+    assert time_to_reward(e, 0.5, window=3) == 1 + 12 + 2      # a full window first
+    assert time_to_reward(e, 0.97, window=2) is None
+
+
+def test_rolling_reward_curve_and_window_bounds():
+    assert rolling([0.0, 1.0, 0.0, 1.0], 2) == [0.5, 0.5, 0.5]
+    assert rolling([0.2, 0.4], 1) == [0.2, 0.4]
+    assert rolling([0.2, 0.4], 3) == []
+    with pytest.raises(ValueError, match="reward_window must be >= 1"):
+        BenchConfig(reward_window=0)
+    assert BenchConfig(steps=3, reward_window=4).reward_window == 3
+    assert PRESETS["learn"]["reward_window"] == 4 and BenchConfig().reward_window == 1
+    # the report's smoothed curve and threshold go by the window; the table shows both curves
+    exps = [experiment(0, 0, 30, [0.5, 0.9, 1.0])]
+    s = summarize(exps, threshold=0.8, window=2)
+    assert s["reward_curve_rolling"] == pytest.approx([0.7, 0.95]) and s["time_to_threshold_s"] == 1 + 12 + 2
+    assert summarize(exps, threshold=0.8)["time_to_threshold_s"] == 1 + 6 + 2
 
 
 def test_a_mode_reaches_the_threshold_when_its_last_experiment_does():
@@ -397,6 +416,15 @@ def test_the_tables_show_the_bound_the_threshold_and_both_modes_curves():
     assert "A, N = 2" in curves and "B, N = 2" in curves and "0.62" in curves
     assert [[c.strip() for c in line.split("│")[2:-1]] for line in curves.splitlines() if "B, N = 1" in line] \
         == [["0.50", "0.75", "1.00"]]
+    assert "last" not in curves                 # window 1: no smoothed rows
+
+    smooth = json.loads(json.dumps(build_report(dataclasses.replace(config, reward_window=2), seq, conc, 0.0,
+                                                concurrent_work=work, cores=2)))
+    assert smooth["rows"][0]["concurrent"]["reward_curve_rolling"] == [0.625, 0.875]
+    assert smooth["rows"][0]["concurrent"]["time_to_threshold_s"] == 1 + 12 + 2   # 0.875 over steps 2-3
+    rows = [[c.strip() for c in line.split("│")[2:-1]] for line in _rendered(curve_table(smooth)).splitlines()
+            if "B, N = 1, last 2" in line]
+    assert rows == [["", "0.62", "0.88"]]
 
 
 def test_presets_set_the_knobs_the_command_line_did_not():
