@@ -39,7 +39,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,46 +110,50 @@ class Authenticator:
         return tenant
 
 
-class CoalescedLookup:
-    """Per-item calls (`fetch(client, items) -> one answer per item`) on an asyncio Redis client.
-    Calls that arrive while one is in flight share the next one, so N concurrent requests cost
-    about two round trips instead of N. Used for the interactions' owners and the bare ids of
-    n > 1 responses (`clora.registry`)."""
+class Coalesced:
+    """Per-item calls (`run(key, items) -> one answer per item`) where the calls of one key that
+    arrive while one is in flight share the next one: N concurrent requests cost about two
+    calls instead of N. If the shared call raises, every caller sharing it gets the error."""
 
-    def __init__(self, client, fetch: Callable[[Any, list], Awaitable[list]]):
-        self.client, self.fetch = client, fetch
-        self._waiting: list[tuple[list, asyncio.Future]] = []
-        self._running = False
-        self._task: asyncio.Task | None = None
+    def __init__(self, run: Callable[[Hashable, list], Awaitable[list]]):
+        self.run = run
+        self._waiting: dict[Hashable, list[tuple[list, asyncio.Future]]] = {}
+        self._drains: dict[Hashable, asyncio.Task] = {}
+        """Per key, the task making its waiting calls (a reference keeps it alive)."""
 
-    async def __call__(self, ids: list) -> list:
-        if not ids:
+    async def __call__(self, items: list, key: Hashable = None) -> list:
+        if not items:
             return []
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append((ids, future))
-        if not self._running:
-            self._running = True
-            self._task = asyncio.get_running_loop().create_task(self._drain())   # a reference keeps it alive
+        self._waiting.setdefault(key, []).append((items, future))
+        if key not in self._drains:
+            self._drains[key] = asyncio.get_running_loop().create_task(self._drain(key))
         return await future
 
-    async def _drain(self) -> None:
+    async def _drain(self, key: Hashable) -> None:
         try:
-            while self._waiting:
-                batch, self._waiting = self._waiting, []
+            while self._waiting.get(key):
+                batch = self._waiting.pop(key)
                 try:
-                    found = await self.fetch(self.client, [i for ids, _ in batch for i in ids])
-                except Exception as e:  # every waiter gets the error: none is answered 202
+                    found = await self.run(key, [i for items, _ in batch for i in items])
+                except Exception as e:  # noqa: BLE001 - every waiter gets the error: none is answered 202
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(e)
                     continue
                 at = 0
-                for ids, future in batch:
-                    answers, at = found[at:at + len(ids)], at + len(ids)
+                for items, future in batch:
+                    answers, at = found[at:at + len(items)], at + len(items)
                     if not future.done():
                         future.set_result(answers)
         finally:
-            self._running = False
+            del self._drains[key]
+
+
+def coalesced_lookup(client, fetch: Callable[[Any, list], Awaitable[list]]) -> Coalesced:
+    """`fetch(client, ids)` on an asyncio Redis client, `Coalesced`: the interactions' owners and
+    the bare ids of n > 1 responses (`clora.registry`)."""
+    return Coalesced(lambda _key, ids: fetch(client, ids))
 
 
 QUOTA_PREFIX = "clora:quota"
@@ -178,36 +182,14 @@ class TenantQuota:
         storage = RedisStorage("async+redis://", implementation="redispy", key_prefix=QUOTA_PREFIX,
                                connection_pool=client.connection_pool)
         self.limiter = SlidingWindowCounterRateLimiter(storage)
-        self._waiting: dict[str, list[tuple[int, int, asyncio.Future]]] = {}
-        self._drains: dict[str, asyncio.Task] = {}
-        """Per tenant, the task charging its waiting requests (a reference keeps it alive)."""
+        self._charges = Coalesced(self._charge_all)
 
     async def charge(self, tenant: str, records: int, nbytes: int) -> None:
         """Count one request against the tenant's quotas, or raise the 429 saying when to retry
         (or the Redis error that kept it from being counted)."""
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(tenant, []).append((records, nbytes, future))
-        if tenant not in self._drains:
-            self._drains[tenant] = asyncio.get_running_loop().create_task(self._drain(tenant))
-        await future
-
-    async def _drain(self, tenant: str) -> None:
-        try:
-            while self._waiting.get(tenant):
-                batch = self._waiting.pop(tenant)
-                try:
-                    verdicts = await self._charge_all(tenant, [(r, b) for r, b, _ in batch])
-                except Exception as e:  # noqa: BLE001 - every waiter gets the error: none was counted for sure
-                    verdicts = [e] * len(batch)
-                for (_, _, future), verdict in zip(batch, verdicts, strict=True):
-                    if future.done():
-                        continue
-                    if verdict is None:
-                        future.set_result(None)
-                    else:
-                        future.set_exception(verdict)
-        finally:
-            del self._drains[tenant]
+        verdict, = await self._charges([(records, nbytes)], key=tenant)
+        if verdict is not None:
+            raise verdict
 
     async def _charge_all(self, tenant: str, costs: list[tuple[int, int]]) -> list[HttpError | None]:
         """Each request's verdict (None: counted), records first, then bytes, as one at a time
@@ -242,8 +224,8 @@ def create_app(settings: WebhookSettings, registry: Registry, producer: EventPro
     """The webhook app. `async_redis` (a `redis.asyncio` client on the registry's Redis) serves
     the per-request lookups (interaction owners, quotas) without blocking the event loop."""
 
-    owners_of = CoalescedLookup(async_redis, fetch_interaction_owners)
-    multi_choice_of = CoalescedLookup(async_redis, fetch_multi_choice)
+    owners_of = coalesced_lookup(async_redis, fetch_interaction_owners)
+    multi_choice_of = coalesced_lookup(async_redis, fetch_multi_choice)
     quota = TenantQuota(async_redis, settings)
 
     @contextlib.asynccontextmanager
