@@ -61,9 +61,9 @@ with rollouts or training the whole time), with the engine's and learner's share
 shows what batching N tenants saves.
 
 Learning. Each mode's reward curve (mean rollout reward at each step) is in the JSON, the
-table and the plot; `time_to_threshold_s` is the wall time until every experiment of a mode
-has had a step whose rollouts averaged at least `--reward-threshold` (0.8), beside the time
-to finish. `--preset learn` (steps, width and learning rate for a visible rise; needs
+table and the plot, beside its mean over the last `--reward-window` steps; `time_to_threshold_s`
+is the wall time until every experiment of a mode has had that many steps in a row whose
+rollouts averaged at least `--reward-threshold` (0.8), beside the time to finish. `--preset learn` (steps, width and learning rate for a visible rise; needs
 `--init-adapter`, as `benchmarks/make_calc_adapter.py --steps 6` makes) is for that;
 `--preset speed` (the default) for speed at N = 8.
 """
