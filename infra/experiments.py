@@ -323,6 +323,7 @@ def summarize(experiments: Sequence[ExperimentResult], threshold: float = 0.8,
     if work is None and experiments and all(e.work is not None for e in experiments):
         work = sum((e.work for e in experiments[1:]), experiments[0].work)
     reached = [(e.started, time_to_reward(e, threshold, window)) for e in experiments]
+    curve = reward_curve(experiments)
     finals = [e.final_reward for e in experiments]
     reward_mean, reward_std = mean_std(finals)
     outcomes: dict[str, int] = {}
@@ -350,9 +351,9 @@ def summarize(experiments: Sequence[ExperimentResult], threshold: float = 0.8,
         "held_out_same_mean": statistics.fmean(h.same for h in held) if held else None,
         "held_out_unseen_mean": statistics.fmean(h.unseen for h in held) if held else None,
         "outcomes": outcomes,
-        "reward_curve": reward_curve(experiments),
+        "reward_curve": curve,
         "reward_window": window,
-        "reward_curve_rolling": rolling(reward_curve(experiments), window),
+        "reward_curve_rolling": rolling(curve, window),
         "threshold_reached": sum(t is not None for _, t in reached),
         "time_to_threshold_s": (max(start + t for start, t in reached) - min(e.started for e in experiments)
                                 if all(t is not None for _, t in reached) else None),

@@ -6,7 +6,7 @@ that turns events into per-tenant training examples in Redis.
 Per poll: validate every record (invalid ones go to `clora.dlq` with the reason), store
 interactions (counting each reply in its serving version's signals, `clora.ingest.signals`), join feedback with its interaction (or park it until the interaction comes),
 write examples — all in pipelined Lua scripts — and only then commit the offsets. The next
-poll is fetched and validated while Redis stores the last one (`IngestWorker.run`). A crash
+poll is fetched, validated and joined while Redis stores the last one (`IngestWorker.run`). A crash
 at any point redelivers the batch; the scripts' de-duplication makes that harmless, so every
 accepted event lands in the buffers exactly once.
 
@@ -158,9 +158,8 @@ class IngestWorker:
         """Poll, store, commit, until `stop`. Pipelined by one batch: a poll's records are fetched,
         parsed, joined and their writes built (`prepare`) while the batch before them is being
         written (`apply`, on one thread of its own), so the worker's Python and Redis's own work
-        run side by side instead of in turn. Batches are
-        stored one at a time and in order, and a batch's offsets are committed only after Redis
-        has all of it."""
+        run side by side instead of in turn. Batches are stored one at a time and in order, and
+        a batch's offsets are committed only after Redis has all of it."""
         self.heartbeat.beat()
         consumer = self.consumer()
         log.info("ingest worker %s joined group %s", self.client_id, self.settings.group_id)
@@ -174,13 +173,19 @@ class IngestWorker:
                 # never waits for new records
                 polled = consumer.poll(timeout_ms=0 if storing else 500)
                 records = [rec for recs in polled.values() for rec in recs]
-                writes = self._prepare_now(self.parse_all(records)) if records else None
+                batch = self.parse_all(records) if records else None
+                writes = None
+                if batch is not None:
+                    try:
+                        writes = self.prepare(batch)
+                    except redis.RedisError:
+                        pass                   # the store thread prepares it, retrying until Redis is back
                 if storing is not None:
                     if not self._finish(consumer, storing):
                         return                 # stopping mid-outage: nothing committed, redelivered later
                     storing = None
-                if writes is not None:
-                    storing = pool.submit(self._store_until_stored, writes, stop), records
+                if batch is not None:
+                    storing = pool.submit(self._store_until_stored, batch, writes, stop), records
                 if time.monotonic() - last_gauges > 2.0:
                     try:
                         self._update_gauges(consumer)
@@ -223,30 +228,18 @@ class IngestWorker:
             log.warning("offset commit failed (%s); the batch will be redelivered", e)
         return True
 
-    def _prepare_now(self, batch: "_Batch") -> "_Writes | _Batch":
-        """`prepare` the batch, or leave it to the storing thread (which retries) when Redis is
-        unreachable."""
-        try:
-            return self.prepare(batch)
-        except redis.RedisError:
-            return batch
-
-    def _store_until_stored(self, writes: "_Writes | _Batch", stop: threading.Event) -> bool:
-        """`apply` the prepared writes (or `store` the batch), retrying with backoff while Redis
-        is unreachable (the writes are idempotent, so a retry after a half-applied attempt stores
-        nothing twice; a retry prepares the batch again). False if asked to stop before the batch
-        was stored."""
-        batch = writes.batch if isinstance(writes, _Writes) else writes
+    def _store_until_stored(self, batch: "_Batch", writes: "_Writes | None", stop: threading.Event) -> bool:
+        """`apply` the batch's prepared `writes` (None: prepare them first), retrying with backoff
+        while Redis is unreachable (the writes are idempotent, so a retry after a half-applied
+        attempt stores nothing twice; a retry prepares the batch again). False if asked to stop
+        before the batch was stored."""
         delay = 0.1
         while True:
             try:
-                if isinstance(writes, _Writes):
-                    self.apply(writes)
-                else:
-                    self.store(batch)
+                self.apply(writes or self.prepare(batch))
                 return True
             except redis.RedisError as e:
-                writes = batch
+                writes = None
                 log.warning("Redis unavailable (%s); retrying %d records in %.1f s", e, batch.size, delay)
                 if stop.wait(delay):
                     return False
@@ -341,6 +334,7 @@ class IngestWorker:
         self._store_feedback(retry)
         self.processed += w.batch.size
         metrics.EVENT_RATE.set(self.rate.add(w.batch.size))
+
     def _dead_letter(self, dead: list[DeadLetter]) -> None:
         if not dead:
             return
