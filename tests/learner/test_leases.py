@@ -17,7 +17,7 @@ from clora.registry import LearningPolicy, Tenant
 from clora.learner.adapter_store import AdapterState
 from clora.learner.base_model import load_base_model
 from clora.learner.checkpoint import Checkpoints, tenant_checkpoint
-from clora.learner.leases import RedisLeases, fair_share
+from clora.learner.leases import RedisLeases, fair_share, lease_key
 from clora.learner.lora import LoraModel, LoraSpec
 from clora.learner.process import Learner
 from clora.learner.publish import Publisher
@@ -27,6 +27,10 @@ from clora.learner.settings import LearnerSettings
 from .helpers import FakeBuffer, FakeRegistry
 
 TTL_S = 0.4
+"""Short, for the tests that wait for a lease to lapse: they wait for its key to go, not for time."""
+RENEWED_TTL_S = 3.0
+"""For the test that renews by hand: its checks come TTL / 12 apart, so only a stall of most of
+3 s between two of them could lapse the lease it holds."""
 
 
 @pytest.fixture()
@@ -44,6 +48,15 @@ def _leases(redis_client, pool: str, *names: str, ttl_s: float = TTL_S) -> list[
     return [RedisLeases(redis_client, name, ttl_s, pool=pool) for name in names]
 
 
+def _lapsed(redis_client, *tenants: str, within_s: float = 60.0) -> None:
+    """Wait until every one of `tenants`' lease keys has expired in Redis (an event, not a time;
+    `within_s` only bounds a hang)."""
+    deadline = time.monotonic() + within_s
+    while redis_client.exists(*(lease_key(t) for t in tenants)):
+        assert time.monotonic() < deadline, f"the leases of {tenants} never lapsed"
+        time.sleep(0.02)
+
+
 def _settle(learners: list[RedisLeases], tenants: list[str], rounds: int = 3) -> dict[str, list[str]]:
     """Tick every learner's lease work `rounds` times (handing surplus back as the learner does);
     returns each learner's tenants."""
@@ -57,15 +70,17 @@ def _settle(learners: list[RedisLeases], tenants: list[str], rounds: int = 3) ->
 
 def test_a_lease_is_renewed_while_its_holder_works_and_taken_over_with_a_larger_token_after_it_expires(
         redis_client, pool, tenant_id):
-    a, b = _leases(redis_client, pool, "a", "b")
+    a, b = _leases(redis_client, pool, "a", "b", ttl_s=RENEWED_TTL_S)
     first = a.acquire(tenant_id)
     assert first is not None and first.holder == "a"
     assert b.acquire(tenant_id) is None and b.holder(tenant_id) == first
-    for _ in range(4):                     # renewed for longer than one TTL
-        time.sleep(TTL_S / 2)
+    acquired = time.monotonic()
+    while time.monotonic() - acquired < RENEWED_TTL_S * 1.5:   # renewed for longer than one TTL
+        time.sleep(RENEWED_TTL_S / 12)
         assert a.check(tenant_id) == first
+        assert redis_client.pttl(lease_key(tenant_id)) > RENEWED_TTL_S * 1000 / 2   # the check restarted it
     assert b.acquire(tenant_id) is None
-    time.sleep(TTL_S * 1.5)                # a stops renewing (a hang, a kill -9): the lease lapses
+    _lapsed(redis_client, tenant_id)       # a stops renewing (a hang, a kill -9): the lease lapses
     second = b.acquire(tenant_id)
     assert second is not None and second.holder == "b" and second.token > first.token
     with pytest.raises(FencedOut, match="a no longer holds"):
@@ -97,11 +112,13 @@ def test_the_keep_alive_holds_a_lease_through_a_step_longer_than_its_ttl_but_not
     first = a.acquire(tenant_id)
     stop = threading.Event()
     working, asked = rounds_of(True)
-    a.keep_alive(working, 60.0, stop)
+    renewing = a.keep_alive(working, 60.0, stop)
     for _ in range(4):
         assert asked.acquire(timeout=30)
     assert b.acquire(tenant_id) is None and a.check(tenant_id) == first   # a step of > 1 TTL kept it
     stop.set()
+    renewing.join(timeout=30)               # its last renewal is in before the hung rounds count
+    assert not renewing.is_alive()
 
     hung, asked = rounds_of(False)
     a.keep_alive(hung, 60.0, stop := threading.Event())
@@ -135,7 +152,7 @@ def test_a_stale_holder_can_neither_checkpoint_nor_publish_over_the_new_one(redi
                              rng_state=torch.Generator().get_state(), step=3, cursor=12)
     old = a.acquire(tenant_id)
     shared.save(tenant_checkpoint(tenant_id), old_state, old.token)
-    time.sleep(TTL_S * 1.5)                # a pauses past its lease
+    _lapsed(redis_client, tenant_id)       # a pauses past its lease
     new = b.acquire(tenant_id)
     resumed = shared.load(tenant_checkpoint(tenant_id))
     assert (resumed.step, resumed.cursor) == (3, 12)
@@ -169,15 +186,19 @@ def test_tenants_spread_fairly_and_move_when_a_learner_leaves_or_joins(redis_cli
     assert sorted(t for v in held.values() for t in v) == sorted(tenants)
 
 
-def test_a_dead_learners_tenants_are_taken_within_the_ttl_and_a_tick(redis_client, pool, tenants):
+def test_a_dead_learners_tenants_are_taken_at_the_first_tick_after_their_leases_lapse(redis_client, pool, tenants):
     a, b = _leases(redis_client, pool, "a", "b")
     held = _settle([a, b], tenants)
-    orphans = held["a"]
-    died = time.monotonic()                # a is killed: it renews nothing from now on
-    while set(orphans) - set(b.fences):
-        b.sync(tenants)
-        time.sleep(0.02)                   # b's tick
-        assert time.monotonic() - died < TTL_S + 0.5, "b did not take a's tenants within the TTL and a tick"
+    orphans = held["a"]                    # a is killed: it renews nothing from now on
+    assert orphans and not set(orphans) & set(b.fences)
+    deadline = time.monotonic() + 60       # bounds a hang only; the bound itself is per tick
+    while True:
+        lapsed = not redis_client.exists(*(lease_key(t) for t in orphans))
+        b.sync(tenants)                    # b's tick
+        if lapsed:                         # every orphan was free before this tick: it took them all
+            break
+        assert time.monotonic() < deadline, "a's leases never lapsed"
+        time.sleep(0.02)
     assert sorted(b.fences) == sorted(tenants) and b.live == 1
     assert all(b.fences[t].token > a.fences[t].token for t in orphans)
 
@@ -230,7 +251,7 @@ def test_a_tinker_run_follows_its_tenants_lease(redis_client, pool, tenants, tmp
     assert ran and all(holder[key.split("/")[0]] == name for name, key in ran)   # only on its tenant's holder
     a_tenant = next(t for t, name in holder.items() if name == "a")
     ran.clear()                            # a dies: no shutdown, no release
-    deadline = time.monotonic() + TTL_S + 2
+    deadline = time.monotonic() + 60        # bounds a hang: b takes it once a's lease lapses
     while not any(key == f"{a_tenant}/tinker/run" for _, key in ran):
         assert time.monotonic() < deadline, "b never ran a's tenant's run"
         learners["b"].tick()
