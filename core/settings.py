@@ -6,8 +6,9 @@ Each service keeps its own pydantic settings model beside it (`clora.serving.set
 `CLORA_WEBHOOK_PORT`). This module holds what the whole platform shares: where data lives and
 the two connection URLs, `CLORA_KAFKA_BOOTSTRAP` and `CLORA_REDIS_URL` (when they are set,
 the embedded stack starts nothing and uses them), and how every Kafka client connects to an
-external cluster (`KafkaSettings`: TLS, SASL, the topics' replication), which every producer,
-consumer and admin client takes from `kafka_client_kwargs()`.
+external cluster (`KafkaSettings`: TLS, SASL, the topics' replication), which every consumer and
+admin client takes from `kafka_client_kwargs()` (kafka-python) and the producer from
+`librdkafka_config()` (confluent-kafka).
 """
 
 from __future__ import annotations
@@ -162,9 +163,24 @@ class KafkaSettings(BaseSettings):
         return self
 
 
+def librdkafka_config(settings: KafkaSettings | None = None) -> dict[str, str]:
+    """The same connection settings as `kafka_client_kwargs`, under librdkafka's names, for the
+    `confluent_kafka.Producer` that `clora.ingest.producer.EventProducer` is built on."""
+    s = settings or KafkaSettings()
+    config = {"security.protocol": s.security_protocol}
+    if s.security_protocol in _SASL_PROTOCOLS:
+        config |= {"sasl.mechanism": s.sasl_mechanism, "sasl.username": s.sasl_username,
+                   "sasl.password": s.sasl_password.get_secret_value()}
+    for name, key in (("ssl_cafile", "ssl.ca.location"), ("ssl_certfile", "ssl.certificate.location"),
+                      ("ssl_keyfile", "ssl.key.location")):
+        if (path := getattr(s, name)) is not None:
+            config[key] = str(path)
+    return config
+
+
 def kafka_client_kwargs(settings: KafkaSettings | None = None) -> dict[str, Any]:
-    """The connection arguments every kafka-python client (`KafkaProducer`, `KafkaConsumer`,
-    `KafkaAdminClient`) is built with, from `settings` (None: read them from the environment,
+    """The connection arguments every kafka-python client (`KafkaConsumer`, `KafkaAdminClient`;
+    the producer is librdkafka's, `librdkafka_config`) is built with, from `settings` (None: read them from the environment,
     raising pydantic's `ValidationError` for a combination that cannot work). PLAINTEXT gives
     `{"security_protocol": "PLAINTEXT"}`; SASL_SSL with SCRAM adds `sasl_mechanism`,
     `sasl_plain_username`, `sasl_plain_password` and any `ssl_*` file set."""

@@ -340,10 +340,12 @@ class IngestWorker:
             return
         if self._dlq is None:
             self._dlq = EventProducer(self.bootstrap, timeout_s=10.0)
+        deliveries = []
         for d in dead:
             log.warning("dead letter from %s@%s:%s: %s", d.source_topic, d.source_partition, d.source_offset, d.reason)
-            self._dlq.send(TOPIC_DLQ, key=d.key or "", value=d.model_dump_json())
-        self._dlq.flush(timeout=10.0)         # durable before the offsets move on
+            deliveries.append(self._dlq.send(TOPIC_DLQ, key=d.key or "", value=d.model_dump_json()))
+        for delivery in deliveries:           # each durable before the offsets move on
+            delivery.get(timeout=10.0)
         record_dead_letters(self.r, dead)
         metrics.DLQ.inc(len(dead))
         metrics.EVENTS.labels("any", "dead_letter").inc(len(dead))

@@ -26,9 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kafka.errors import CorruptRecordError, InvalidRecordError, KafkaError, MessageSizeTooLargeError
-
-from clora.ingest.producer import BrokerUnavailable, EventProducer
+from clora.ingest.producer import BrokerUnavailable, EventProducer, RecordRefused
 from clora.ingest.schemas import TOPIC_INTERACTIONS, InteractionEvent
 from clora.serving.spool import DiskSpool
 
@@ -37,10 +35,6 @@ log = logging.getLogger(__name__)
 Record = tuple[str, str, str]  # (topic, key, value)
 Pending = tuple[Record, cf.Future]
 """A queued record and the future `submit` returned for it (resolved once it is durable)."""
-
-REFUSED_FOR_GOOD = (MessageSizeTooLargeError, InvalidRecordError, CorruptRecordError)
-"""Errors no retry can fix: the record itself is refused."""
-
 
 class InteractionLogger:
     def __init__(self, make_producer: Callable[[], EventProducer], spool: DiskSpool, *,
@@ -98,7 +92,7 @@ class InteractionLogger:
         if self._producer is not None:
             try:
                 self._producer.close()
-            except KafkaError as e:
+            except BrokerUnavailable as e:
                 log.warning("closing the interaction producer failed: %s", e)
         self.spool.close()
 
@@ -204,16 +198,14 @@ class InteractionLogger:
             for record in batch:
                 try:
                     futures.append((record, producer.send(*record)))
-                except BrokerUnavailable as e:
-                    if not isinstance(e.__cause__, REFUSED_FOR_GOOD):
-                        raise
-                    self._reject(record, e.__cause__)
+                except RecordRefused as e:     # no retry can store it: set aside, the rest flow
+                    self._reject(record, e)
             for record, f in futures:
                 try:
                     f.get(timeout=max(0.01, deadline - time.monotonic()))
-                except REFUSED_FOR_GOOD as e:
+                except RecordRefused as e:
                     self._reject(record, e)
-        except (BrokerUnavailable, KafkaError) as e:
+        except BrokerUnavailable as e:
             log.warning("sending %d interaction events failed: %s", len(batch), e)
             return False
         with self._count_lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from clora.settings import KafkaSettings, kafka_client_kwargs, redacted_url
+from clora.settings import KafkaSettings, kafka_client_kwargs, librdkafka_config, redacted_url
 
 SASL = {"CLORA_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "CLORA_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
         "CLORA_KAFKA_SASL_USERNAME": "clora", "CLORA_KAFKA_SASL_PASSWORD": "s3cret"}
@@ -58,6 +58,24 @@ def test_every_kafka_client_accepts_the_arguments(tmp_path):
                                                ssl_certfile=cert, ssl_keyfile=cert))
     for client in (KafkaProducer, KafkaConsumer, KafkaAdminClient):
         assert set(kwargs) <= set(client.DEFAULT_CONFIG), client.__name__
+
+
+def test_the_producer_gets_the_same_settings_under_librdkafkas_names(tmp_path):
+    """`EventProducer` is librdkafka's: the same TLS and SASL settings reach it under its own
+    keys, and a producer built with them accepts every key (a misspelled one raises)."""
+    from confluent_kafka import Producer
+
+    cert = tmp_path / "client.pem"
+    cert.write_text("cert")
+    settings = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512", sasl_username="u",
+                             sasl_password="p", ssl_cafile=cert, ssl_certfile=cert, ssl_keyfile=cert)
+    config = librdkafka_config(settings)
+    assert config == {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "u",
+                      "sasl.password": "p", "ssl.ca.location": str(cert), "ssl.certificate.location": str(cert),
+                      "ssl.key.location": str(cert)}
+    assert librdkafka_config(KafkaSettings()) == {"security.protocol": "PLAINTEXT"}
+    Producer({"bootstrap.servers": "127.0.0.1:1", **librdkafka_config(KafkaSettings(security_protocol="SASL_PLAINTEXT",
+              sasl_mechanism="PLAIN", sasl_username="u", sasl_password="p"))})
 
 
 @pytest.mark.parametrize("env, error", [

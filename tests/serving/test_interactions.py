@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kafka.errors import InvalidRecordError, KafkaTimeoutError, MessageSizeTooLargeError
-
-from clora.ingest.producer import BrokerUnavailable
+from clora.ingest.producer import BrokerUnavailable, RecordRefused
 from clora.ingest.schemas import InteractionEvent, Message
 from clora.serving.interactions import InteractionLogger
 from clora.serving.spool import DiskSpool
@@ -21,7 +19,7 @@ class FlakyProducer:
 
     def send(self, topic, key, value):
         if not self.up:
-            raise KafkaTimeoutError("broker down")
+            raise BrokerUnavailable("could not queue a record for clora.interactions: the producer's queue is full")
         self.got.append(json.loads(value)["interaction_id"])
         return _Done()
 
@@ -61,13 +59,13 @@ def test_logger_spools_while_broker_down_and_sends_in_order_later(tmp_path):
 
 
 class PickyProducer(FlakyProducer):
-    """Refuses for good what kafka-python would: a record too large to send (at `send`, as
-    `EventProducer` reports it) or one the broker rejects (at the ack)."""
+    """Refuses for good what `EventProducer` does: a record too large to queue (at `send`) or
+    one the broker rejects (at the ack)."""
 
     def send(self, topic, key, value):
         iid = json.loads(value)["interaction_id"]
         if iid == "i1":
-            raise BrokerUnavailable("could not queue a record") from MessageSizeTooLargeError("1.2 MB")
+            raise RecordRefused("could not queue a record: Message size too large (MSG_SIZE_TOO_LARGE)")
         if iid == "i2":
             return _Refused()
         return super().send(topic, key, value)
@@ -75,7 +73,7 @@ class PickyProducer(FlakyProducer):
 
 class _Refused:
     def get(self, timeout=None):
-        raise InvalidRecordError("broker refused the record")
+        raise RecordRefused("broker did not store a write: Broker: Invalid record (INVALID_RECORD)")
 
 
 def _wait(predicate, timeout_s=5.0):
@@ -99,7 +97,7 @@ def test_a_record_the_broker_refuses_for_good_is_set_aside_and_the_rest_flow(tmp
     assert _wait(lambda: lg.spool.empty()) and lg.rejected == 2
     rejected = [json.loads(line) for line in (tmp_path / "rejected.jsonl").read_text().splitlines()]
     assert [json.loads(r["value"])["interaction_id"] for r in rejected] == ["i1", "i2"]
-    assert "MessageSizeTooLargeError" in rejected[0]["error"]
+    assert "MSG_SIZE_TOO_LARGE" in rejected[0]["error"]
     lg.submit(_event(5))  # not blocked behind them
     assert _wait(lambda: prod.got[-1:] == ["i5"])
     lg.stop()
@@ -158,7 +156,7 @@ class _Hanging:
         import time
 
         time.sleep(timeout)
-        raise KafkaTimeoutError("no ack")
+        raise BrokerUnavailable("no acknowledgement within 0.5 s")
 
 
 class HangingProducer(FlakyProducer):
@@ -201,7 +199,7 @@ class _Held:
     def get(self, timeout=None):
         self.producer.blocked.set()
         if not self.producer.thawed.wait(timeout):
-            raise KafkaTimeoutError("no ack")
+            raise BrokerUnavailable("no acknowledgement within 0.5 s")
 
 
 def test_new_events_never_wait_behind_a_drain_to_a_frozen_broker(tmp_path):
