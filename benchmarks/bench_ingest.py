@@ -142,23 +142,26 @@ async def post_paced(url: str, payloads: list[tuple[str, list[str], dict]], per_
 class CpuTimes:
     """CPU seconds (user + system) used by each role's processes and their children (`alone`:
     without them, for this process, the parent of all the others): `read()` -> {"webhook": 12.3,
-    ...}; a process gone since counts what it had last."""
+    ...}. A process gone since, a child included (Redis forks one for each snapshot), counts
+    what it had when last seen, so a role's total never falls."""
 
     def __init__(self, roles: dict[str, list[int]], alone: tuple[str, ...] = ()):
         self.roles = {role: [psutil.Process(pid) for pid in pids] for role, pids in roles.items()}
         self.alone = alone
         self._last: dict[int, float] = {}
+        self._seen: dict[int, set[int]] = {}
+        """Every process seen under each root process (by pid), itself included."""
 
     def _seconds(self, proc: psutil.Process, children: bool) -> float:
-        total = 0.0
+        seen = self._seen.setdefault(proc.pid, {proc.pid})
         for p in [proc, *(self._children(proc) if children else [])]:
             try:
                 t = p.cpu_times()
                 self._last[p.pid] = t.user + t.system
+                seen.add(p.pid)
             except psutil.Error:
                 pass
-            total += self._last.get(p.pid, 0.0)
-        return total
+        return sum(self._last.get(pid, 0.0) for pid in seen)
 
     @staticmethod
     def _children(proc: psutil.Process) -> list[psutil.Process]:
