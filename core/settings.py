@@ -163,25 +163,23 @@ class KafkaSettings(BaseSettings):
         return self
 
 
+_LIBRDKAFKA_NAMES = {"security_protocol": "security.protocol", "sasl_mechanism": "sasl.mechanism",
+                     "sasl_plain_username": "sasl.username", "sasl_plain_password": "sasl.password",
+                     "ssl_cafile": "ssl.ca.location", "ssl_certfile": "ssl.certificate.location",
+                     "ssl_keyfile": "ssl.key.location"}
+"""kafka-python's connection argument -> librdkafka's name for it."""
+
+
 def librdkafka_config(settings: KafkaSettings | None = None) -> dict[str, str]:
-    """The same connection settings as `kafka_client_kwargs`, under librdkafka's names, for the
-    `confluent_kafka.Producer` that `clora.ingest.producer.EventProducer` is built on."""
-    s = settings or KafkaSettings()
-    config = {"security.protocol": s.security_protocol}
-    if s.security_protocol in _SASL_PROTOCOLS:
-        config |= {"sasl.mechanism": s.sasl_mechanism, "sasl.username": s.sasl_username,
-                   "sasl.password": s.sasl_password.get_secret_value()}
-    for name, key in (("ssl_cafile", "ssl.ca.location"), ("ssl_certfile", "ssl.certificate.location"),
-                      ("ssl_keyfile", "ssl.key.location")):
-        if (path := getattr(s, name)) is not None:
-            config[key] = str(path)
-    return config
+    """`kafka_client_kwargs` under librdkafka's names, for the `confluent_kafka.Producer` that
+    `clora.ingest.producer.EventProducer` is built on."""
+    return {_LIBRDKAFKA_NAMES[name]: str(value) for name, value in kafka_client_kwargs(settings).items()}
 
 
 def kafka_client_kwargs(settings: KafkaSettings | None = None) -> dict[str, Any]:
     """The connection arguments every kafka-python client (`KafkaConsumer`, `KafkaAdminClient`;
-    the producer is librdkafka's, `librdkafka_config`) is built with, from `settings` (None: read them from the environment,
-    raising pydantic's `ValidationError` for a combination that cannot work). PLAINTEXT gives
+    the producer takes them as `librdkafka_config`) is built with, from `settings` (None: read
+    them from the environment, raising pydantic's `ValidationError` for a combination that cannot work). PLAINTEXT gives
     `{"security_protocol": "PLAINTEXT"}`; SASL_SSL with SCRAM adds `sasl_mechanism`,
     `sasl_plain_username`, `sasl_plain_password` and any `ssl_*` file set."""
     s = settings or KafkaSettings()

@@ -113,17 +113,16 @@ class EventProducer:
             except Exception:  # noqa: BLE001 - a callback's error must not stop every later ack
                 log.exception("a Kafka delivery callback failed")
 
-    def _produce(self, topic: str, key: str, value: str | bytes, on_delivery, partition: int | None = None) -> None:
+    def _produce(self, topic: str, key: str, value: str | bytes, on_delivery) -> None:
         payload = value.encode() if isinstance(value, str) else value
-        extra = {} if partition is None else {"partition": partition}
         try:
-            self._producer.produce(topic, payload, key.encode(), on_delivery=on_delivery, **extra)
+            self._producer.produce(topic, payload, key.encode(), on_delivery=on_delivery)
         except BufferError as e:                  # the local queue is full: the broker is not keeping up
             raise BrokerUnavailable(f"could not queue a record for {topic}: the producer's queue is full") from e
         except KafkaException as e:
             raise _failure(e.args[0], f"could not queue a record for {topic}") from e
 
-    def send(self, topic: str, key: str, value: str | bytes, partition: int | None = None) -> Delivery:
+    def send(self, topic: str, key: str, value: str | bytes) -> Delivery:
         """Queue one record; returns its `Delivery`. Raises BrokerUnavailable (RecordRefused for
         one too large) if the producer cannot even queue it."""
         delivery = Delivery()
@@ -133,7 +132,7 @@ class EventProducer:
                 delivery.set_result(None)
             else:
                 delivery.set_exception(_failure(err, f"broker did not store a write to {topic}"))
-        self._produce(topic, key, value, delivered, partition)
+        self._produce(topic, key, value, delivered)
         return delivery
 
     def send_sync(self, topic: str, key: str, value: str | bytes) -> None:
@@ -188,13 +187,16 @@ class EventProducer:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued record is acknowledged or failed; BrokerUnavailable if some
         are still in flight after `timeout` (None: `timeout_s`)."""
-        left = self._producer.flush(self.timeout_s if timeout is None else timeout)
-        if left:
-            raise BrokerUnavailable(f"{left} records still unacknowledged after the flush's {timeout} s")
+        wait_s = self.timeout_s if timeout is None else timeout
+        if left := self._producer.flush(wait_s):
+            raise BrokerUnavailable(f"{left} records still unacknowledged after {wait_s} s")
 
     def close(self) -> None:
+        """Flush (up to `timeout_s`), then stop serving acknowledgements. Records still in
+        flight then are logged, not raised: each caller's own wait reports its records."""
         try:
-            self._producer.flush(self.timeout_s)
+            if left := self._producer.flush(self.timeout_s):
+                log.warning("closing the producer with %d records unacknowledged after %s s", left, self.timeout_s)
         finally:
             self._closed.set()
             self._acks.join(timeout=self.timeout_s)

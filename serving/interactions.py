@@ -90,10 +90,7 @@ class InteractionLogger:
             self._thread.join()
             self._drainer.join()
         if self._producer is not None:
-            try:
-                self._producer.close()
-            except BrokerUnavailable as e:
-                log.warning("closing the interaction producer failed: %s", e)
+            self._producer.close()           # logs what it could not flush
         self.spool.close()
 
     # --- the sender thread ------------------------------------------------------------------
