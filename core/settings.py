@@ -179,9 +179,9 @@ def librdkafka_config(settings: KafkaSettings | None = None) -> dict[str, str]:
 def kafka_client_kwargs(settings: KafkaSettings | None = None) -> dict[str, Any]:
     """The connection arguments every kafka-python client (`KafkaConsumer`, `KafkaAdminClient`;
     the producer takes them as `librdkafka_config`) is built with, from `settings` (None: read
-    them from the environment, raising pydantic's `ValidationError` for a combination that cannot work). PLAINTEXT gives
-    `{"security_protocol": "PLAINTEXT"}`; SASL_SSL with SCRAM adds `sasl_mechanism`,
-    `sasl_plain_username`, `sasl_plain_password` and any `ssl_*` file set."""
+    them from the environment, raising pydantic's `ValidationError` for a combination that
+    cannot work). PLAINTEXT gives `{"security_protocol": "PLAINTEXT"}`; SASL_SSL with SCRAM adds
+    `sasl_mechanism`, `sasl_plain_username`, `sasl_plain_password` and any `ssl_*` file set."""
     s = settings or KafkaSettings()
     kwargs: dict[str, Any] = {"security_protocol": s.security_protocol}
     if s.security_protocol in _SASL_PROTOCOLS:
