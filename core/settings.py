@@ -6,9 +6,10 @@ Each service keeps its own pydantic settings model beside it (`clora.serving.set
 `CLORA_WEBHOOK_PORT`). This module holds what the whole platform shares: where data lives and
 the two connection URLs, `CLORA_KAFKA_BOOTSTRAP` and `CLORA_REDIS_URL` (when they are set,
 the embedded stack starts nothing and uses them), and how every Kafka client connects to an
-external cluster (`KafkaSettings`: TLS, SASL, the topics' replication), which every consumer and
-admin client takes from `kafka_client_kwargs()` (kafka-python) and the producer from
-`librdkafka_config()` (confluent-kafka).
+external cluster (`KafkaSettings`: TLS, SASL, the topics' replication), which the kafka-python
+clients (the admin client, the lag probe, the gateway's adapter-event listener) take from
+`kafka_client_kwargs()` and the librdkafka ones (the producer, the ingest workers' consumer) from
+`librdkafka_config()`.
 """
 
 from __future__ import annotations

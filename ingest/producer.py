@@ -10,7 +10,7 @@ The producer is librdkafka's (`confluent_kafka`): it batches and acknowledges in
 quarter of kafka-python's CPU per record, which bounds how many feedback events a webhook
 process accepts per core. Records with a key go to the partition Java's (and kafka-python's)
 default partitioner gives it (murmur2), so a tenant's records share one partition whichever
-client wrote them. Topics are created with kafka-python's admin client, which the consumers use.
+client wrote them. Topics are created with kafka-python's admin client.
 """
 
 from __future__ import annotations

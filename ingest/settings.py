@@ -60,10 +60,11 @@ class IngestSettings(BaseSettings):
     """Worker processes `clora up` starts (each one consumer-group member)."""
     max_poll_records: int = Field(default=2000, ge=1)
     max_poll_interval_ms: int = Field(default=5000, ge=1000)
-    """Also the rebalance timeout: a group join waits this long for members (Tansu)."""
+    """Also the rebalance timeout: a group join waits this long for members (Tansu). The consumer
+    raises it to `session_timeout_ms` where it is below, as librdkafka requires."""
     session_timeout_ms: int = Field(default=6000, ge=1000)
     fetch_max_wait_ms: int = Field(default=50, ge=1, le=30_000)
-    """Longest the broker may hold a fetch for more data (kafka-python's default is 500 ms). It
+    """Longest the broker may hold a fetch for more data (`fetch.wait.max.ms`). It
     bounds the accept -> buffer latency: at 500 ms its p99 was 250-280 ms, at 50 ms 29-141 ms
     (`benchmarks/bench_ingest.py`, paced runs); an idle worker then fetches 20 times a second."""
     buffer_capacity: int = Field(default=10_000, ge=1)
@@ -80,8 +81,8 @@ class IngestSettings(BaseSettings):
     """`CLORA_INGEST_METRICS_HOST`: the address the Prometheus endpoint binds (`0.0.0.0` for a
     scraper outside the container or host; the metrics name tenants, so keep it off public networks)."""
     request_timeout_ms: int = Field(default=15_000, ge=1000)
-    """Longest wait for any one broker request (group join, commit, metadata); kafka-python's own
-    default is 30 s. Must exceed `session_timeout_ms`."""
+    """Longest wait for any one broker request (group join, commit, metadata), librdkafka's
+    `socket.timeout.ms` (its own default is 60 s). Must exceed `session_timeout_ms`."""
     stall_timeout_s: float = Field(default=90.0, gt=0)
     """The worker's watchdog: a consumer loop that makes no pass for this long (a call blocked past
     every timeout) logs its stacks and exits with code 70, for its supervisor to restart it."""

@@ -28,18 +28,16 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import redis
-from kafka import KafkaConsumer, TopicPartition
-from kafka.structs import OffsetAndMetadata
-from kafka.errors import CommitFailedError, KafkaError
+from confluent_kafka import KafkaException
 from pydantic import ValidationError
 from pydantic_core import to_json
 
 from clora.procs import Heartbeat, tune_gc
-from clora.settings import kafka_client_kwargs
 from clora.registry import LearningPolicy, Registry, RegistryError
 from clora.reward_spec import RewardSpec
 from clora.ingest.settings import IngestSettings
 from clora.ingest import metrics
+from clora.ingest.consumer import CommitRefused, GroupConsumer
 from clora.ingest.buffers import BufferBatch, BufferPolicy, InteractionWrite, ParkResult, PendingWrite, ReplayBuffer
 from clora.ingest.joiner import join_stored, untrained_reason
 from clora.ingest.producer import EventProducer
@@ -134,7 +132,7 @@ class IngestWorker:
         self._dlq: EventProducer | None = None
         self._policies: dict[str, _CachedPolicy] = {}
         self.processed = 0
-        self._committed: dict[TopicPartition, int] = {}
+        self._committed: dict[tuple[str, int], int] = {}
         """The next offset of each partition after what this worker committed: its lag gauge's base."""
         self.heartbeat = heartbeat or Heartbeat(None)
         self._depth_tenants: set[str] = set()
@@ -143,16 +141,9 @@ class IngestWorker:
 
     # --- consumer loop --------------------------------------------------------------------
 
-    def consumer(self) -> KafkaConsumer:
-        s = self.settings
-        return KafkaConsumer(
-            TOPIC_INTERACTIONS, TOPIC_FEEDBACK,
-            bootstrap_servers=self.bootstrap, group_id=s.group_id, client_id=self.client_id,
-            enable_auto_commit=False, auto_offset_reset="earliest",
-            max_poll_records=s.max_poll_records, max_poll_interval_ms=s.max_poll_interval_ms,
-            session_timeout_ms=s.session_timeout_ms, heartbeat_interval_ms=max(500, s.session_timeout_ms // 3),
-            request_timeout_ms=s.request_timeout_ms, fetch_max_wait_ms=s.fetch_max_wait_ms, **kafka_client_kwargs(),
-        )
+    def consumer(self) -> GroupConsumer:
+        return GroupConsumer(self.bootstrap, self.settings, [TOPIC_INTERACTIONS, TOPIC_FEEDBACK],
+                             client_id=self.client_id)
 
     def run(self, stop: threading.Event) -> None:
         """Poll, store, commit, until `stop`. Pipelined by one batch: a poll's records are fetched,
@@ -171,8 +162,7 @@ class IngestWorker:
                 self.heartbeat.beat()
                 # with a batch in flight, take only what has already arrived, so that its commit
                 # never waits for new records
-                polled = consumer.poll(timeout_ms=0 if storing else 500)
-                records = [rec for recs in polled.values() for rec in recs]
+                records = consumer.poll(0 if storing else 0.5)
                 batch = self.parse_all(records) if records else None
                 writes = None
                 if batch is not None:
@@ -189,18 +179,18 @@ class IngestWorker:
                 if time.monotonic() - last_gauges > 2.0:
                     try:
                         self._update_gauges(consumer)
-                    except (redis.RedisError, KafkaError) as e:
+                    except (redis.RedisError, KafkaException) as e:
                         log.warning("metrics not updated: %s", e)
                     last_gauges = time.monotonic()
             if storing is not None:
                 self._finish(consumer, storing)
         finally:
             pool.shutdown(wait=True)
-            consumer.close(autocommit=False, timeout_ms=self.settings.request_timeout_ms)
+            consumer.close()
             if self._dlq is not None:
                 self._dlq.close()
 
-    def _finish(self, consumer: KafkaConsumer, storing: tuple[Future[bool], list]) -> bool:
+    def _finish(self, consumer: GroupConsumer, storing: tuple[Future[bool], list]) -> bool:
         """Wait for the batch being stored to be in Redis, then commit its records' offsets (and
         only theirs: the consumer's position is already past the next poll). False if it was
         stopped before it was stored."""
@@ -210,21 +200,17 @@ class IngestWorker:
         if not future.result():                # its error, if it raised one
             return False
         self._maybe_crash_before_commit()
-        offsets: dict[TopicPartition, int] = {}
+        offsets: dict[tuple[str, int], int] = {}
         for rec in records:
-            tp = TopicPartition(rec.topic, rec.partition)
+            tp = (rec.topic, rec.partition)
             offsets[tp] = max(offsets.get(tp, 0), rec.offset + 1)
         try:
-            consumer.commit({tp: OffsetAndMetadata(off, "", -1) for tp, off in offsets.items()},
-                            timeout_ms=self.settings.request_timeout_ms)   # only after Redis has every example
+            consumer.commit(offsets)               # only after Redis has every example
             for tp, off in offsets.items():
                 self._committed[tp] = max(self._committed.get(tp, 0), off)
-        except CommitFailedError as e:
-            # we were out of the group (e.g. a long Redis outage): the records go to
-            # whoever holds the partition now, and de-duplication makes that harmless
-            log.warning("offset commit refused after a rebalance: %s", e)
-        except KafkaError as e:
-            # not committed in time: the batch is redelivered later, harmlessly
+        except CommitRefused as e:
+            # out of the group (a rebalance, a long Redis outage) or no answer in time: the
+            # records go to whoever holds the partition then, and de-duplication makes that harmless
             log.warning("offset commit failed (%s); the batch will be redelivered", e)
         return True
 
@@ -254,19 +240,17 @@ class IngestWorker:
             logging.shutdown()
             os._exit(FAULT_EXIT_CODE)
 
-    def _update_gauges(self, consumer: KafkaConsumer) -> None:
+    def _update_gauges(self, consumer: GroupConsumer) -> None:
         """This member's Prometheus gauges: its partitions' lag and the buffers' depths.
 
         The lag is the high-water mark minus what this worker committed itself, both known
-        locally: it never asks the coordinator (`consumer.committed`). That blocking call, made
-        between polls while the group rebalances, left kafka-python 3.0.12 rejoining the group in
-        a loop: after kill -9 of one worker the survivor consumed no partition at all (Tansu,
-        tests/e2e/test_cluster.py). A partition this worker has committed nothing on yet has no lag
-        reported."""
-        for tp in consumer.assignment():
-            high, committed = consumer.highwater(tp), self._committed.get(tp)
+        locally: it never asks the coordinator for committed offsets, a blocking call between
+        polls (one, made while the group rebalanced, left kafka-python 3.0.12 rejoining the group
+        in a loop). A partition this worker has committed nothing on yet has no lag reported."""
+        for topic, partition in consumer.assignment():
+            high, committed = consumer.highwater(topic, partition), self._committed.get((topic, partition))
             if high is not None and committed is not None:
-                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, high - committed))
+                metrics.CONSUMER_LAG.labels(topic, str(partition)).set(max(0, high - committed))
         if time.monotonic() - self._depth_tenants_at >= TENANT_SCAN_S:
             self._depth_tenants.update(self.buffers.tenants_with_data())
             self._depth_tenants_at = time.monotonic()

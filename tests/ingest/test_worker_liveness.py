@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from clora.ingest.consumer import GroupConsumer, consumer_config
 from clora.ingest.settings import IngestSettings
 from clora.ingest.worker import IngestWorker
 from clora.procs import Heartbeat, heartbeat_mtime
@@ -20,16 +21,16 @@ class BlockingConsumer:
         self.free_polls = free_polls
         self.release = threading.Event()
 
-    def poll(self, timeout_ms: int = 0):
+    def poll(self, timeout_s: float = 0):
         if self.free_polls == 0:
             self.release.wait()
         self.free_polls -= 1
-        return {}
+        return []
 
     def assignment(self):
-        return set()
+        return []
 
-    def close(self, autocommit=True, timeout_ms=None):
+    def close(self):
         pass
 
 
@@ -71,14 +72,18 @@ def test_a_beating_loop_never_trips_the_watchdog_and_a_stopped_watch_ends():
     assert not watch.is_alive() and not tripped.is_set()
 
 
-def test_every_broker_call_is_bounded(monkeypatch):
-    import clora.ingest.worker as w
-
-    seen = {}
-    monkeypatch.setattr(w, "KafkaConsumer", lambda *topics, **config: seen.update(config))
+def test_every_broker_call_is_bounded():
     s = IngestSettings(metrics_port=0, request_timeout_ms=7000)
-    IngestWorker(s, "127.0.0.1:1", "redis://127.0.0.1:1/0").consumer()
-    assert seen["request_timeout_ms"] == 7000 > seen["session_timeout_ms"]
+    config = consumer_config("127.0.0.1:1", s, "w0")
+    assert config["socket.timeout.ms"] == 7000 > config["session.timeout.ms"]
+    assert config["enable.auto.commit"] is False        # offsets move only after Redis has the batch
+
+
+def test_the_rebalance_timeout_is_raised_to_the_session_timeout_librdkafka_requires():
+    s = IngestSettings(metrics_port=0, max_poll_interval_ms=2000, session_timeout_ms=6000)
+    config = consumer_config("127.0.0.1:1", s, "w0")
+    assert config["max.poll.interval.ms"] == 6000 == config["session.timeout.ms"]
+    GroupConsumer("127.0.0.1:1", s, ["t"], client_id="w0").close()    # librdkafka accepts it
 
 
 def test_request_timeout_must_exceed_the_session_timeout():
