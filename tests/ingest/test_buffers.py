@@ -293,3 +293,29 @@ def test_interactions_stored_in_one_call_each_count_once_and_drain_their_own_par
     assert buf.store_interactions(tenant_id, writes, now=time.time())[2] == parked[2]   # redelivered: still parked
     assert buf.served_signals(tenant_id)[1].n == 3
     assert buf.stored_interactions([(tenant_id, "i1"), (tenant_id, "i3")]) == [ixs[1], None]
+
+
+def test_a_batch_call_longer_than_a_script_chunk_answers_as_one_call(redis_client, tenant_id, monkeypatch):
+    """Calls of many events go to Redis as several script calls (`SCRIPT_CHUNK`); the batch still
+    answers each call once, with its events' results in order, duplicates found across chunks."""
+    import clora.ingest.buffers as buffers
+    from clora.ingest.buffers import InteractionWrite
+    from clora.ingest.schemas import FeedbackEvent, FeedbackIn, InteractionEvent
+
+    monkeypatch.setattr(buffers, "SCRIPT_CHUNK", 4)
+    buf = ReplayBuffer(redis_client, BufferPolicy(holdout_fraction=0.0))
+    fb = FeedbackEvent.accept(tenant_id, FeedbackIn(interaction_id="i9", event_id="f9", score=1.0))
+    assert buf.park_feedback(tenant_id, fb.event_id, "i9", fb.model_dump_json(), now=time.time()) == 1
+    writes = [PendingWrite(f"fb{i}", [sft(tenant_id, i)]) for i in range(10)]
+    ixs = [InteractionEvent(tenant=tenant_id, interaction_id=f"i{i}", messages=[{"role": "user", "content": "q"}],
+                            response={"role": "assistant", "content": "a"}) for i in range(6, 11)]
+    batch = buf.batch()
+    batch.add_many(tenant_id, writes + writes[2:3] + writes[9:], now=time.time())    # fb2, fb9 again, chunks apart
+    batch.store_interactions(tenant_id, [InteractionWrite(ix.event_id, ix.interaction_id, ix.model_dump_json())
+                                         for ix in ixs], now=time.time())
+    batch.add_many(tenant_id, [], now=time.time())
+    added, parked, nothing = batch.execute()
+    assert added == [1] * 10 + [0, 0]
+    assert [[FeedbackEvent.model_validate_json(b).event_id for b in bodies] for bodies in parked] == [[], [], [], ["f9"], []]
+    assert nothing == []
+    assert sorted(train_ids(buf, tenant_id)) == list(range(10))
