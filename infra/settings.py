@@ -41,6 +41,12 @@ class RedisSettings(BaseSettings):
     replies to clients meanwhile. The cost is one fsync per event-loop pass, which batched writes
     (`ReplayBuffer.add_many`) share; `benchmarks/bench_ingest.py` measures the throughput."""
     start_timeout_s: float = Field(default=15.0, gt=0)
+    background_nice: int = Field(default=19, ge=0, le=19)
+    """Niceness (CPU priority, 19 the lowest) the embedded Redis's forked children get: its AOF
+    rewrites, each a copy of the whole dataset that keeps a core busy for seconds. On a small
+    machine shared with the webhook and the ingest workers, a rewrite at Redis's own priority
+    held accept -> buffer back by up to 0.9 s while it ran (`benchmarks/bench_ingest.py`, paced
+    runs, 2 cores); at 19 it takes the cores they leave. 0: as Redis starts them. Linux only."""
 
 
 class ConsoleSettings(BaseSettings):

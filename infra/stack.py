@@ -9,6 +9,7 @@ by the platform when no external URL is configured.
 With `CLORA_KAFKA_BOOTSTRAP` / `CLORA_REDIS_URL` set, it starts nothing and hands those out.
 
 Both are supervised: restarted when they exit or stop answering (a metadata request, a PING).
+Redis's AOF rewrites run at a low CPU priority (`RedisSettings.background_nice`, `BackgroundNicer`).
 Redis restarts from its AOF with every acknowledged write. The broker keeps topics in memory
 only, so a restarted broker has lost every record it held and every committed offset: the
 restart is logged at ERROR, recorded as a `data_lost` event, and the topics are re-created.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +128,47 @@ def redis_process(settings: RedisSettings, data_dir: Path, logs_dir: Path,
                           liveness_interval_s=supervision.liveness_interval_s)
 
 
+class BackgroundNicer:
+    """Gives the forked children of a supervised process (Redis's AOF rewrites) the niceness
+    `nice`, checking `/proc/<pid>/task/<pid>/children` every `interval_s` (one small read; the
+    process's pid is read each time, so a restarted Redis is followed). Where the kernel has no
+    such file it does nothing."""
+
+    def __init__(self, proc: ManagedProcess, nice: int, interval_s: float = 0.1):
+        self.proc, self.nice, self.interval_s = proc, nice, interval_s
+        self.reniced: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"{proc.name}-background-nice", daemon=True)
+
+    def start(self) -> "BackgroundNicer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            pid = self.proc.pid
+            if pid is None:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                if child not in self.reniced:
+                    try:
+                        os.setpriority(os.PRIO_PROCESS, child, self.nice)
+                    except OSError:           # gone already
+                        pass
+                    self.reniced.add(child)
+            if len(self.reniced) > 10_000:
+                self.reniced = set(children)
+
+
 @dataclass
 class LocalStack:
     """Broker + Redis for one platform run; external ones are used where configured."""
@@ -136,6 +180,8 @@ class LocalStack:
     on_event: Callable[[SupervisorEvent], None] | None = None
     """Called with each supervisor event of the broker and Redis (exits, hangs, restarts, loss)."""
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
+    nicer: BackgroundNicer | None = None
+    """What lowers the priority of the embedded Redis's AOF rewrites (None: no embedded Redis)."""
 
     @classmethod
     def from_settings(cls) -> "LocalStack":
@@ -162,6 +208,8 @@ class LocalStack:
             if self.platform.redis_url is None:
                 self.processes["redis"] = self._supervised(
                     redis_process(self.redis, self.platform.data_dir, logs, self.supervision))
+                if self.redis.background_nice:
+                    self.nicer = BackgroundNicer(self.processes["redis"], self.redis.background_nice).start()
             else:
                 log.info("using external Redis at %s", redacted_url(self.platform.redis_url))
         except Exception:
@@ -174,6 +222,8 @@ class LocalStack:
         return proc.start()
 
     def stop(self) -> None:
+        if self.nicer is not None:
+            self.nicer.stop()
         for proc in reversed(list(self.processes.values())):
             proc.stop()
 
