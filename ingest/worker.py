@@ -52,9 +52,12 @@ FAULT_EXIT_CODE = 75
 """Exit code of the injected crash between storing a batch and committing it (`crash_after_store_file`)."""
 TENANT_SCAN_S = 30.0
 """How often the worker lists the tenants whose buffer depths it exports (a SCAN of the whole
-keyspace, which grows with every interaction kept: run on every 2 s gauge update it held up
-the batches behind it). Tenants the worker stores examples for are added as it does; another
-worker's new tenant shows within this many seconds."""
+keyspace, which grows with every interaction kept). Tenants the worker stores examples for are
+added as it does; another worker's new tenant shows within this many seconds. The depths are
+read on a thread of their own (`IngestWorker._watch_depths`): on the consumer loop, the scan of
+a few hundred thousand keys held the batches behind it for a few hundred milliseconds."""
+GAUGE_INTERVAL_S = 2.0
+"""How often the lag and depth gauges are updated."""
 POLICY_CACHE_S = 5.0
 """How long a worker keeps a tenant's learning policy: an edit (buffer capacity, reward spec)
 applies to what it stores within this many seconds."""
@@ -136,6 +139,7 @@ class IngestWorker:
         """The next offset of each partition after what this worker committed: its lag gauge's base."""
         self.heartbeat = heartbeat or Heartbeat(None)
         self._depth_tenants: set[str] = set()
+        self._depth_lock = threading.Lock()
         """The tenants whose buffer depths the gauges export (`TENANT_SCAN_S`)."""
         self._depth_tenants_at = -TENANT_SCAN_S
 
@@ -157,6 +161,8 @@ class IngestWorker:
         last_gauges = 0.0
         storing: tuple[Future[bool], list] | None = None      # the batch in Redis's hands, and its records
         pool = ThreadPoolExecutor(1, thread_name_prefix="clora-ingest-store")
+        ended = threading.Event()
+        threading.Thread(target=self._watch_depths, args=(stop, ended), name="clora-ingest-depths", daemon=True).start()
         try:
             while not stop.is_set():
                 self.heartbeat.beat()
@@ -176,15 +182,16 @@ class IngestWorker:
                     storing = None
                 if batch is not None:
                     storing = pool.submit(self._store_until_stored, batch, writes, stop), records
-                if time.monotonic() - last_gauges > 2.0:
+                if time.monotonic() - last_gauges > GAUGE_INTERVAL_S:
                     try:
                         self._update_gauges(consumer)
-                    except (redis.RedisError, KafkaException) as e:
-                        log.warning("metrics not updated: %s", e)
+                    except KafkaException as e:
+                        log.warning("lag gauges not updated: %s", e)
                     last_gauges = time.monotonic()
             if storing is not None:
                 self._finish(consumer, storing)
         finally:
+            ended.set()
             pool.shutdown(wait=True)
             consumer.close()
             if self._dlq is not None:
@@ -241,7 +248,7 @@ class IngestWorker:
             os._exit(FAULT_EXIT_CODE)
 
     def _update_gauges(self, consumer: GroupConsumer) -> None:
-        """This member's Prometheus gauges: its partitions' lag and the buffers' depths.
+        """This member's lag gauges, one per partition it holds (no I/O).
 
         The lag is the high-water mark minus what this worker committed itself, both known
         locally: it never asks the coordinator for committed offsets, a blocking call between
@@ -251,12 +258,31 @@ class IngestWorker:
             high, committed = consumer.highwater(topic, partition), self._committed.get((topic, partition))
             if high is not None and committed is not None:
                 metrics.CONSUMER_LAG.labels(topic, str(partition)).set(max(0, high - committed))
+
+    def _watch_depths(self, stop: threading.Event, ended: threading.Event) -> None:
+        """Update the buffer-depth gauges every `GAUGE_INTERVAL_S` until `stop` or `ended`."""
+        while not (stop.wait(GAUGE_INTERVAL_S) or ended.is_set()):
+            try:
+                self._update_depths()
+            except redis.RedisError as e:
+                log.warning("buffer depth gauges not updated: %s", e)
+
+    def _update_depths(self) -> None:
+        """The depth gauges of every tenant known to have data (`TENANT_SCAN_S`)."""
         if time.monotonic() - self._depth_tenants_at >= TENANT_SCAN_S:
-            self._depth_tenants.update(self.buffers.tenants_with_data())
+            found = self.buffers.tenants_with_data()
+            with self._depth_lock:
+                self._depth_tenants.update(found)
             self._depth_tenants_at = time.monotonic()
-        for tenant, depths in self.buffers.depths(sorted(self._depth_tenants)).items():
+        with self._depth_lock:
+            tenants = sorted(self._depth_tenants)
+        for tenant, depths in self.buffers.depths(tenants).items():
             for kind, depth in depths.items():
                 metrics.BUFFER_DEPTH.labels(tenant, kind).set(depth)
+
+    def _note_depth_tenants(self, tenants) -> None:
+        with self._depth_lock:
+            self._depth_tenants.update(tenants)
 
     # --- one batch ------------------------------------------------------------------------
 
@@ -348,7 +374,7 @@ class IngestWorker:
             batch = self.buffers.batch()
             for tenant, items in writes.items():
                 batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
-            self._depth_tenants.update(writes)
+            self._note_depth_tenants(writes)
             flags = [stored for per_tenant in batch.execute() for stored in per_tenant]
             _count_untrained([item for items in writes.values() for item in items], flags)
 
@@ -381,7 +407,7 @@ class IngestWorker:
                                 now=now, recent=_recent(fb))
         for tenant, items in writes.items():
             batch.add_many(tenant, items, now=now, capacity=self._capacity(tenant))
-        self._depth_tenants.update(writes)
+        self._note_depth_tenants(writes)
         return parked, [item for items in writes.values() for item in items]
 
     def _feedback_done(self, parked: list[FeedbackEvent], pending: list[PendingWrite],

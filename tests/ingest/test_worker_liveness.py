@@ -5,6 +5,7 @@ Unit tests: a fake consumer, no broker or Redis."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -89,3 +90,46 @@ def test_the_rebalance_timeout_is_raised_to_the_session_timeout_librdkafka_requi
 def test_request_timeout_must_exceed_the_session_timeout():
     with pytest.raises(ValueError, match="request_timeout_ms"):
         IngestSettings(session_timeout_ms=6000, request_timeout_ms=5000)
+
+
+class CountingConsumer:
+    """A consumer with nothing to deliver that counts its polls."""
+
+    def __init__(self):
+        self.polls = 0
+
+    def poll(self, timeout_s: float = 0):
+        self.polls += 1
+        threading.Event().wait(0.01)
+        return []
+
+    def assignment(self):
+        return []
+
+    def close(self):
+        pass
+
+
+def test_a_slow_buffer_depth_scan_never_holds_the_consumer_loop(monkeypatch):
+    """The depth gauges' keyspace scan runs on its own thread: while one hangs, polls go on."""
+    import clora.ingest.worker as w
+
+    monkeypatch.setattr(w, "GAUGE_INTERVAL_S", 0.05)
+    consumer = CountingConsumer()
+    worker = IngestWorker(IngestSettings(metrics_port=0), "127.0.0.1:1", "redis://127.0.0.1:1/0")
+    monkeypatch.setattr(worker, "consumer", lambda: consumer)
+    scanning, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(worker.buffers, "tenants_with_data", lambda: (scanning.set(), release.wait(), [])[2])
+    stop = threading.Event()
+    loop = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    try:
+        loop.start()
+        assert scanning.wait(15), "the depth scan never started"
+        polls, give_up = consumer.polls, time.monotonic() + 15
+        while consumer.polls < polls + 20 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert consumer.polls >= polls + 20 and not release.is_set()
+    finally:
+        stop.set()
+        release.set()
+        loop.join(5)
