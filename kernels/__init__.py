@@ -4,6 +4,7 @@ Modules:
     segments               `SegmentMeta`: tokens sorted by adapter slot, one segment per slot
     segmented_mm           out[seg i] (+)= x[seg i] @ w[i] * scale[i]   (shrink, expand, dx)
     segmented_weight_grad  dw[i] = a[seg i]^T @ b[seg i] * scale[i]      (dA, dB)
+    fused_lora             y[t] += x[t] @ A[a(t)] @ B[a(t)] * scale[a(t)], one launch (serving)
     backends               `SegmentedBackend` protocol; `TorchBackend`, `TritonBackend`, `make_backend`
     lora_ops               `lora_shrink`, `lora_expand`, `lora_backward`
     autograd               `SegmentedLoRAFunction`, `segmented_lora`

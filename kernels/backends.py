@@ -12,6 +12,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from . import fused_lora as _fused
 from . import segmented_mm as _mm
 from . import segmented_weight_grad as _wg
 from .segments import SegmentMeta
@@ -43,6 +44,16 @@ class SegmentedBackend(Protocol):
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor: ...  # (num_adapters, p, q)
 
+    def fused_lora(
+        self,
+        y: torch.Tensor,  # (tokens, n), batch order, added into in place
+        x: torch.Tensor,  # (tokens, k), batch order
+        a: torch.Tensor,  # (num_adapters, k, r)
+        b: torch.Tensor,  # (num_adapters, r, n)
+        scale: torch.Tensor,  # (num_adapters,)
+        meta: SegmentMeta,
+    ) -> torch.Tensor: ...  # y
+
 
 class TorchBackend:
     """Pure-torch references; the CPU path."""
@@ -54,6 +65,9 @@ class TorchBackend:
 
     def segmented_weight_grad(self, a, b, meta, scale=None, out_dtype=None):
         return _wg.segmented_weight_grad_reference(a, b, meta, scale, out_dtype)
+
+    def fused_lora(self, y, x, a, b, scale, meta):
+        return _fused.fused_lora_reference(y, x, a, b, scale, meta)
 
     def __repr__(self) -> str:
         return "TorchBackend()"
@@ -71,6 +85,7 @@ class TritonBackend:
         self.interpret = (not torch.cuda.is_available()) if interpret is None else interpret
         self._mm_kernel = self._variant(_mm._segmented_mm_kernel)
         self._wg_kernel = self._variant(_wg._segmented_weight_grad_kernel)
+        self._fused_kernel = self._variant(_fused._fused_lora_kernel)
 
     def _variant(self, kernel):
         from triton.runtime.interpreter import InterpretedFunction
@@ -107,6 +122,10 @@ class TritonBackend:
         return _wg.segmented_weight_grad_triton(
             a, b, meta, scale, out_dtype, kernel=self._wg_kernel, dot_fp32=self.interpret
         )
+
+    def fused_lora(self, y, x, a, b, scale, meta):
+        self._check_device(x, meta)
+        return _fused.fused_lora_triton(y, x, a, b, scale, meta, kernel=self._fused_kernel, dot_fp32=self.interpret)
 
     def __repr__(self) -> str:
         return f"TritonBackend(interpret={self.interpret})"
