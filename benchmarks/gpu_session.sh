@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run benchmarks/gpu_checks.sh on a bare lent GPU machine (Python 3.12 with CUDA torch, Triton,
 # transformers; no network, no clora install). What must travel with the working tree, made here:
-#   .whl/        pydantic and its needs for Python 3.12 (the machine has none; see the device
-#                notes for `pip download --python-version 3.12 ...`), and megatron-core 0.16.1's
-#                cp312 wheel for the megatron stage (`pip download megatron-core==0.16.1 --no-deps
-#                --only-binary=:all: --python-version 3.12 -d .whl`)
+#   .whl/        cp312 wheels of what clora imports and the machine lacks (see the device notes for
+#                `pip download --no-deps --only-binary=:all: --python-version 3.12 ...`): pydantic,
+#                pydantic-core, annotated-types, typing-inspection, typing-extensions >= 4.16,
+#                pydantic-settings, python-dotenv, fastapi, starlette and redis (the learner's and
+#                the tests' imports reach them), and megatron-core 0.16.1 for the megatron stage
 #   .gpu/smollm2-shape/  SmolLM2's config, tokenizer and chat template, no weights
 # The script installs the wheels into /tmp/site, makes `clora.<name>` importable from the working
 # tree (pyproject's package-dir mapping, without an install: the package pins Python 3.11),
