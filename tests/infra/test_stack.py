@@ -3,6 +3,8 @@ external URLs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -31,6 +33,8 @@ def test_external_urls_start_nothing(tmp_path, stack):
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="the kernel lists no /proc/<pid>/task/<pid>/children (CONFIG_PROC_CHILDREN)")
 def test_redis_aof_rewrites_run_at_the_lowest_cpu_priority_and_redis_at_its_own(tmp_path, stack, wait_for):
     """A rewrite copies the whole dataset with a core busy for seconds: at Redis's priority it
     held the ingest path back on a small shared machine."""
