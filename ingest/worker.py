@@ -139,8 +139,9 @@ class IngestWorker:
         """The next offset of each partition after what this worker committed: its lag gauge's base."""
         self.heartbeat = heartbeat or Heartbeat(None)
         self._depth_tenants: set[str] = set()
-        self._depth_lock = threading.Lock()
         """The tenants whose buffer depths the gauges export (`TENANT_SCAN_S`)."""
+        self._depth_lock = threading.Lock()
+        """Guards `_depth_tenants`: the store thread adds to it, the depth thread reads it."""
         self._depth_tenants_at = -TENANT_SCAN_S
 
     # --- consumer loop --------------------------------------------------------------------
