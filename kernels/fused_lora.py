@@ -70,6 +70,15 @@ def _fused_lora_kernel(
     tokens = tl.load(order_ptr + sorted_rows, mask=row_ok, other=0).to(tl.int64)  # batch rows
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < R
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    # B's tile and y's are loaded before the shrink's loop needs the memory system: their latency
+    # overlaps it (a launch here is a few microseconds, mostly waiting on dependent loads)
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_ba + rs[:, None] * stride_br + cols[None, :] * stride_bn,
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_N)
+    y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :] * stride_yn
+    mask = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * stride_aa
     h = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -84,18 +93,11 @@ def _fused_lora_kernel(
         else:
             h += tl.dot(x, a)
     h *= tl.load(scale_ptr + slot).to(tl.float32)
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_ba + rs[:, None] * stride_br + cols[None, :] * stride_bn,
-                mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_N)
     if DOT_FP32:
         delta = tl.dot(h, b.to(tl.float32), input_precision="ieee")
     else:
         delta = tl.dot(h.to(b.dtype), b)
-    y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :] * stride_yn
-    mask = row_ok[:, None] & col_ok[None, :]
-    out = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(size: int, lo: int, hi: int) -> int:
@@ -118,7 +120,7 @@ def fused_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     k, r, n = x.shape[1], a.shape[2], b.shape[2]
     block_m = _block(meta.max_seg_len, 16, 64)
     block_n = _block(n, 16, 64)
-    block_k = _block(k, 16, 128)
+    block_k = _block(k, 16, 256)     # fewer dependent steps in the shrink's loop
     grid = (meta.num_adapters, triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(n, block_n))
     kernel[grid](
         x, a, b, y, scale, meta.seg_starts, meta.token_order,
