@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .segmented_mm import _block
 from .segments import SegmentMeta
 
 
@@ -98,10 +99,6 @@ def _fused_lora_kernel(
     else:
         delta = tl.dot(h.to(b.dtype), b)
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _block(size: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(size, 1))))
 
 
 def fused_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
