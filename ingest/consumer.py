@@ -1,6 +1,6 @@
 """The ingest worker's consumer-group member, on librdkafka (`confluent_kafka.Consumer`).
 
-    consumer = GroupConsumer(bootstrap, settings, client_id="clora-ingest-0")
+    consumer = GroupConsumer(bootstrap, settings, [TOPIC_FEEDBACK], client_id="clora-ingest-0")
     records = consumer.poll(0.5)                 # [Record(topic, partition, offset, key, value)]
     consumer.commit({("clora.feedback", 3): 1042})
 

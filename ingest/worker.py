@@ -271,9 +271,7 @@ class IngestWorker:
     def _update_depths(self) -> None:
         """The depth gauges of every tenant known to have data (`TENANT_SCAN_S`)."""
         if time.monotonic() - self._depth_tenants_at >= TENANT_SCAN_S:
-            found = self.buffers.tenants_with_data()
-            with self._depth_lock:
-                self._depth_tenants.update(found)
+            self._note_depth_tenants(self.buffers.tenants_with_data())
             self._depth_tenants_at = time.monotonic()
         with self._depth_lock:
             tenants = sorted(self._depth_tenants)
