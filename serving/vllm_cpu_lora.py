@@ -108,9 +108,11 @@ def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, se
 # once per step, when the step's row -> slot indices change, and each call then costs a few
 # matmuls per slice:
 #   one slot, no base rows:  h = x @ A[s].T;  y_slice += scale * h @ B[s].T
-#   few rows (decode):       h = (x @ A_all.T) * mask;  y_slice += scale * h @ B_all
+#   few rows (decode):       h = (x @ A_cat.T) * mask;  y_slice += scale * h_slice @ B_all
 #                            (A_all, B_all: every slot's A and B side by side, (slots*r, in) and
-#                            (slots*r, out); mask keeps each row's own slot, zero for base rows)
+#                            (slots*r, out); A_cat: the slices' A_all stacked, so the slices of a
+#                            merged layer (q, k, v; gate, up) share one shrink; mask keeps each
+#                            row's own slot, zero for base rows)
 #   many rows (prefill):     per slot, the rows of that slot, as the grouped ops do
 # The dense form spends slots x the LoRA FLOPs to avoid gathers and per-slot loops: worth it
 # while rows are few (DENSE_MAX_ROWS); prefill-sized batches take the grouped form.
@@ -141,12 +143,13 @@ class _Plan:
             self._groups = {s: (self.idx == s).nonzero(as_tuple=True)[0] for s in self.slots}
         return self._groups
 
-    def mask(self, slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-        """(rows, slots*rank): 1 on the row's own slot's block, 0 elsewhere and on base rows."""
-        m = self._masks.get((slots, rank))
+    def mask(self, slots: int, ranks: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """(rows, slots*sum(ranks)): for each slice in turn, 1 on the row's own slot's block of
+        that slice's rank, 0 elsewhere and on base rows."""
+        m = self._masks.get((slots, ranks, dtype))
         if m is None:
             own = (self.idx.unsqueeze(1) == torch.arange(slots).unsqueeze(0)).to(dtype)
-            m = self._masks[(slots, rank)] = own.repeat_interleave(rank, dim=1)
+            m = self._masks[(slots, ranks, dtype)] = torch.cat([own.repeat_interleave(r, dim=1) for r in ranks], 1)
         return m
 
 
@@ -175,7 +178,39 @@ class _Packed:
         self.b_all = self.b[:, :, :r].permute(0, 2, 1).reshape(slots * r, out)
 
 
-_PACKED: dict = {}     # (A, B) -> their _Packed
+class _PackedLayer:
+    """A LoRA layer's slices packed together (`_Packed` each): the slices with a used rank, and
+    their A_all stacked into A_cat (sum of slots*r, in), so one matmul is every slice's shrink."""
+
+    def __init__(self, a_stacked, b_stacked, sizes):
+        self.slices, offset = [], 0
+        for a, b, n in zip(a_stacked, b_stacked, sizes):
+            w = _Packed(a, b)
+            if w.rank:
+                self.slices.append((w, offset, n))
+            offset += n
+        self.ranks = tuple(w.rank for w, _, _ in self.slices)
+        self.a_cat = torch.cat([w.a_all for w, _, _ in self.slices]) if self.slices else None
+        self.dtype = a_stacked[0].dtype
+
+
+def _layer(a_stacked: tuple, b_stacked: tuple, sizes) -> _PackedLayer | None:
+    """The layer's `_PackedLayer`, rebuilt only after vLLM writes into its weights (a new
+    adapter in a slot, a slot reset: in place, which bumps the tensors' write counts); None
+    when the layout is not the one the plan handles. vLLM passes each layer's same tuples on
+    every call, so the lookup is by the tuple's identity: no per-call checks beyond the counts."""
+    versions = tuple(t._version for t in a_stacked) + tuple(t._version for t in b_stacked)
+    hit = _LAYERS.get(id(a_stacked))
+    if hit is not None and hit[0] is a_stacked and hit[1] is b_stacked and hit[2] == versions:
+        return hit[3]
+    usable = all(a.dtype == b.dtype == a_stacked[0].dtype and b.shape[-2] == n and a.is_contiguous()
+                 and b.is_contiguous() for a, b, n in zip(a_stacked, b_stacked, sizes))
+    layer = _PackedLayer(a_stacked, b_stacked, sizes) if usable else None
+    _LAYERS[id(a_stacked)] = (a_stacked, b_stacked, versions, layer)
+    return layer
+
+
+_LAYERS: dict = {}     # id of a layer's A tuple -> (A tuple, B tuple, their write counts, _PackedLayer)
 _ZERO_LOGITS: dict = {}  # lm_head LoRA B -> whether it is all zero
 
 
@@ -195,28 +230,32 @@ def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_sl
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
     plan = _plan(self)
-    usable = (add_inputs and plan.rows == x2.shape[0] == y2.shape[0] and x2.dtype == y2.dtype
-              and all(a.dtype == b.dtype == x2.dtype and b.shape[-2] == n and a.is_contiguous() and b.is_contiguous()
-                      for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices)))
-    if not usable:
+    if add_inputs and plan.rows == x2.shape[0] == y2.shape[0] and x2.dtype == y2.dtype:
+        if not plan.slots:
+            return None  # base rows only: nothing to add
+        layer = _layer(lora_a_stacked, lora_b_stacked, output_slices)
+    else:
+        layer = None
+    if layer is None or layer.dtype != x2.dtype:
         return _ORIGINAL["add_lora_linear"](self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
                                             buffer=buffer, add_inputs=add_inputs, **kwargs)
-    if not plan.slots:
+    if not layer.slices:
         return None
-    offset = 0
-    for a, b, n in zip(lora_a_stacked, lora_b_stacked, output_slices):
-        out, offset = y2[:, offset: offset + n], offset + n
-        w = _per_version(_PACKED, (a, b), lambda: _Packed(a, b))
-        r = w.rank
-        if r == 0:
-            continue
-        if len(plan.slots) == 1 and not plan.has_base:
-            s = plan.slots[0]
-            out.addmm_(x2 @ w.a[s, :r].T, w.b[s, :, :r].T, alpha=scale)
-        elif plan.rows <= DENSE_MAX_ROWS:
-            h = (x2 @ w.a_all.T).mul_(plan.mask(a.shape[0], r, x2.dtype))
-            out.addmm_(h, w.b_all, alpha=scale)
-        else:
+    if len(plan.slots) == 1 and not plan.has_base:
+        s = plan.slots[0]
+        for w, offset, n in layer.slices:
+            r = w.rank
+            y2[:, offset: offset + n].addmm_(x2 @ w.a[s, :r].T, w.b[s, :, :r].T, alpha=scale)
+    elif plan.rows <= DENSE_MAX_ROWS:
+        h = (x2 @ layer.a_cat.T).mul_(plan.mask(lora_a_stacked[0].shape[0], layer.ranks, x2.dtype))
+        col = 0
+        for w, offset, n in layer.slices:
+            width = w.a_all.shape[0]
+            y2[:, offset: offset + n].addmm_(h[:, col: col + width], w.b_all, alpha=scale)
+            col += width
+    else:
+        for w, offset, n in layer.slices:
+            r, out = w.rank, y2[:, offset: offset + n]
             for s, rows in plan.groups().items():
                 h = x2.index_select(0, rows) @ w.a[s, :r].T
                 out.index_add_(0, rows, h @ w.b[s, :, :r].T, alpha=scale)
