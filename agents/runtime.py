@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -263,7 +264,8 @@ class _AgentConfig:
 
 
 class Agent(_AgentConfig):
-    """Runs episodes with a sync OpenAI-compatible client."""
+    """Runs episodes with a sync OpenAI-compatible client; a group's branches continue
+    concurrently, one thread each, after their shared first call."""
 
     def run(self, messages: list[dict[str, Any]], *, group_id: str | None = None,
             session: Any | None = None) -> EpisodeTrace:
@@ -287,10 +289,19 @@ class Agent(_AgentConfig):
         first = self._new(messages, group_id, session)
         episodes = [first.fork() for _ in range(n)]
         self._call(episodes, first.messages, n)
-        for ep in episodes:
-            while ep.stop is None:
-                self._call([ep], ep.messages, 1)
+        open_ = [ep for ep in episodes if ep.stop is None]
+        if len(open_) > 1:  # the branches' later turns at once: the engine batches them
+            with ThreadPoolExecutor(max_workers=len(open_), thread_name_prefix="agent-turns") as pool:
+                for done in [pool.submit(self._finish, ep) for ep in open_]:
+                    done.result()
+        else:
+            for ep in open_:
+                self._finish(ep)
         return [ep.trace() for ep in episodes]
+
+    def _finish(self, ep: _Episode) -> None:
+        while ep.stop is None:
+            self._call([ep], ep.messages, 1)
 
     def _call(self, episodes: list[_Episode], messages: list[dict[str, Any]], n: int) -> None:
         try:

@@ -86,6 +86,44 @@ def test_group_rollouts_share_a_group_id_and_sample_the_first_turn_n_times(fake_
     assert len({iid for t in traces for iid in t.interaction_ids}) == 6
 
 
+class _BarrierClient:
+    """An OpenAI-shaped client whose continuation calls (n = 1) each wait at a barrier of
+    `parties`: they all return only if that many are in flight at once."""
+
+    def __init__(self, parties: int):
+        import threading
+        from types import SimpleNamespace as NS
+
+        self._ns, self.barrier, self.calls = NS, threading.Barrier(parties, timeout=30), []
+        self.chat = NS(completions=NS(create=self.create))
+
+    def create(self, **kw):
+        NS, n = self._ns, kw.get("n", 1)
+        self.calls.append(n)
+        if n == 1:
+            self.barrier.wait()  # BrokenBarrierError if the branches ran one at a time
+            content, calls = "done", None
+        else:
+            content, calls = None, [NS(id="c1", function=NS(name="calculator", arguments='{"expression": "1+1"}'))]
+        choices = [NS(index=i, message=NS(content=content, tool_calls=calls), finish_reason="stop") for i in range(n)]
+        return NS(id=f"r{len(self.calls)}", choices=choices, usage=NS(prompt_tokens=5, completion_tokens=n))
+
+
+def test_sync_agent_continues_group_branches_concurrently():
+    client = _BarrierClient(parties=3)
+    traces = Agent(client, "acme", TOOLS).run_group([{"role": "user", "content": "q"}], 3, group_id="g-2")
+    assert client.calls == [3, 1, 1, 1]  # one sampled turn for all, then each branch's next turn at once
+    assert [t.stop for t in traces] == ["reply"] * 3 and [len(t.turns) for t in traces] == [2, 2, 2]
+    assert [t.interaction_ids[0] for t in traces] == ["r1-0", "r1-1", "r1-2"]  # traces keep the choices' order
+
+
+def test_sync_agent_group_branch_failure_raises_with_context():
+    client = _BarrierClient(parties=2)
+    client.barrier.abort()  # every continuation fails
+    with pytest.raises(AgentError, match=r"model 'acme': call 2 of the episode \(group g-3\) failed"):
+        Agent(client, "acme", TOOLS).run_group([{"role": "user", "content": "q"}], 2, group_id="g-3")
+
+
 def test_failed_model_call_raises_with_context(fake_openai, openai_client):
     fake_openai.fail_next = 1
     with pytest.raises(AgentError, match=r"model 'acme': call 1 of the episode \(group g-9\) failed") as e:
