@@ -27,10 +27,16 @@ Modes (same weights, batch and cache; 8 adapter slots resident in every LoRA mod
                   expand in one launch per merged projection, rows read and written through the
                   batch's order in the kernel (no gather, no scatter, nothing to zero): 4 launches
                   a layer
+    *_overlap     the fused layout with o's and down's deltas off the step's critical path: each
+                  runs on a side stream while the base projection's GEMM runs on the main one
+                  (both read the same input) and adds straight into the residual stream, which
+                  the GEMM's output joins next anyway. qkv and gate_up stay as in *_fused (their
+                  outputs feed rotary and SiLU, so a side delta would cost a zeroed buffer and an
+                  add: measured slower). On CPU the same code runs without streams
 
 Why: vLLM serves decode as CUDA-graph replays, so that is what the LoRA overhead must be set
 against; eagerly, Python launch overhead dominates a 135M model and the ratio says little.
-Both are reported. Target: 8 mixed adapters >= 0.8x base (graphed), lora8 and lora8_fused.
+Both are reported. Target: 8 mixed adapters >= 0.8x base (graphed): lora8, lora8_fused, lora8_fused_overlap.
 
 Graph capture: every mode's whole step (embedding to argmax) is captured once per batch size
 (`torch.cuda.CUDAGraph`) and replayed. The segment metadata (`SegmentMeta`: `seg_starts`,
@@ -77,7 +83,8 @@ import torch.nn.functional as F
 from clora.kernels import SegmentedBackend, SegmentMeta, lora_expand, lora_shrink, make_backend
 
 MODES = ("base", "lora1", "lora8", "lora8_sorted", "lora8_zipf", "lora1_merged", "lora8_merged", "lora8_sorted_merged",
-         "lora1_fused", "lora8_fused", "lora8_zipf_fused")
+         "lora1_fused", "lora8_fused", "lora8_zipf_fused", "lora1_fused_overlap", "lora8_fused_overlap",
+         "lora8_zipf_fused_overlap")
 # Merged base projections (vLLM's QKVParallelLinear / MergedColumnParallelLinear) and the
 # LoRA target modules whose outputs are their column slices, in order.
 MERGED = {
@@ -161,6 +168,11 @@ class LoRABatch:
     """One delta per merged projection (`Layer.merged_lora`), not one per target module."""
     fused: bool = False
     """The merged deltas through the fused kernel, in batch order (implies `merged`)."""
+    overlap: bool = False
+    """o's and down's fused deltas beside their base GEMMs, on `side` (implies `fused`; module doc,
+    *_overlap)."""
+    side: object = None
+    """The side stream of `overlap` (a `torch.cuda.Stream`); None runs it in order (CPU)."""
 
     def sort(self, x: torch.Tensor) -> torch.Tensor:
         """LoRA input rows (tokens, hidden_in) in adapter order; `x` itself when already sorted
@@ -272,6 +284,17 @@ class DecodeModel:
             start += width
         return y
 
+    def residual_project(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, merged: str,
+                         layer: Layer, lb: LoRABatch | None) -> torch.Tensor:
+        """residual + `project(x)`: the next residual stream. With `lb.overlap` the fused delta is
+        added into `residual` in place on the side stream while the base GEMM runs."""
+        if lb is None or not lb.overlap:
+            return residual + self.project(x, weight, merged, lb.sort(x) if lb is not None else None, layer, lb)
+        stack = layer.merged_lora[merged]
+        _, y = _overlapped(lb.side, lambda: lb.backend.fused_lora(residual, x, stack.a, stack.b, stack.scale, lb.meta),
+                           lambda: F.linear(x, weight))
+        return residual + y
+
     def step(self, state: DecodeState, lb: LoRABatch | None, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One decode step: logits (batch, vocab); writes k/v at `state.position` and the argmax
         into `state.tokens`. Makes no host tensors and no host syncs (graph-capturable)."""
@@ -295,16 +318,33 @@ class DecodeModel:
                 q.view(b, s.kv_heads, group, s.head_dim), state.k_cache[i], state.v_cache[i]
             )  # (batch, kv_heads, group, head_dim)
             attn = attn.reshape(b, q_width)
-            x = x + self.project(attn, layer.o, "o", lb.sort(attn) if lb is not None else None, layer, lb)
+            x = self.residual_project(x, attn, layer.o, "o", layer, lb)
             h = F.rms_norm(x, (s.hidden,), layer.post_norm, s.rms_eps)
             hs = lb.sort(h) if lb is not None else None
             gate, up = self.project(h, layer.gate_up, "gate_up", hs, layer, lb).split(s.intermediate, dim=-1)
             m = F.silu(gate) * up  # (batch, intermediate)
-            x = x + self.project(m, layer.down, "down", lb.sort(m) if lb is not None else None, layer, lb)
+            x = self.residual_project(x, m, layer.down, "down", layer, lb)
         x = F.rms_norm(x, (s.hidden,), self.final_norm, s.rms_eps)
         logits = F.linear(x, self.embed)  # (batch, vocab)
         state.tokens.copy_(logits.argmax(dim=-1))
         return logits
+
+
+def _overlapped(side, on_side: Callable[[], object], on_main: Callable[[], torch.Tensor]):
+    """(`on_side()`, `on_main()`): the first queued on `side`, the second on the current stream,
+    both after everything the current stream has queued and running at once on the GPU; the
+    current stream then waits for `side` (a fork and a join, also inside a graph capture).
+    `side` None: one after the other. What `on_side` allocates is only reused on `side` after a
+    later fork, which waits for the current stream's uses of it, so no `record_stream`."""
+    if side is None:
+        return on_side(), on_main()
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        got = on_side()
+    y = on_main()
+    main.wait_stream(side)
+    return got, y
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -315,7 +355,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def adapter_ids(mode: str, batch: int, slots: int, gen: torch.Generator) -> torch.Tensor | None:
     """Per-row adapter slot for `mode` (None for base)."""
-    mode = mode.removesuffix("_merged").removesuffix("_fused")
+    mode = mode.removesuffix("_overlap").removesuffix("_merged").removesuffix("_fused")
     if mode == "base":
         return None
     if mode == "lora1":
@@ -398,13 +438,16 @@ def run_batch(model: DecodeModel, backend: SegmentedBackend, batch: int, args, g
     device = model.device
     state = make_state(model.shape, batch, args.context, device, model.dtype, seed=args.seed + batch)
     rope = model.rotary(state.position)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the *_overlap modes' side stream
     runs = []
     for mode in MODES:
         ids = adapter_ids(mode, batch, args.adapters, gen)
         # Built here, outside any captured region: the step reads these static tensors.
+        overlap = mode.endswith("_overlap")
         lb = None if ids is None else LoRABatch(SegmentMeta.from_token_adapter_ids(ids, args.adapters, device), backend,
-                                                merged=mode.endswith(("_merged", "_fused")),
-                                                fused=mode.endswith("_fused"))
+                                                merged=mode.endswith(("_merged", "_fused", "_overlap")),
+                                                fused=mode.endswith(("_fused", "_overlap")), overlap=overlap,
+                                                side=side if overlap else None)
         runs.append(ModeRun(mode, lambda lb=lb: model.step(state, lb, rope), lb, graph_ms=[], eager_ms=[]))
     with torch.inference_mode():
         for run in runs:
@@ -543,7 +586,7 @@ def run(args: argparse.Namespace) -> dict:
         if row["host_sync"] not in (None, "none"):
             print(f"batch {row['batch']} {row['mode']}: the step synchronizes with the host: {row['host_sync']}")
     key = "graphed_vs_base" if args.graphs else "eager_vs_base"
-    for mode in ("lora8", "lora8_fused"):
+    for mode in ("lora8", "lora8_fused", "lora8_fused_overlap"):
         print(f"target {mode} >= 0.8x base ({key}): " + ", ".join(
             f"batch {r['batch']}: {'-' if r[key] is None else r[key]}" for r in rows if r["mode"] == mode))
     print(f"wrote {args.out}")

@@ -45,7 +45,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log its outpu
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     2>&1 | tee -a "$LOG"
-stage decode 180 "$PY" benchmarks/bench_decode.py --device cuda --out "$OUT/decode.json"
+stage decode 300 "$PY" benchmarks/bench_decode.py --device cuda --out "$OUT/decode.json"
 stage tests 240 "$PY" -m pytest -m gpu tests/kernels tests/learner/test_cuda.py -q -p no:warnings \
     --junitxml="$OUT/junit.xml"
 stage fused 150 "$PY" benchmarks/bench_fused.py --model "$MODEL" --device cuda --rounds 2 --spread 0.5 \

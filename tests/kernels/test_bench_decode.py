@@ -80,6 +80,12 @@ def test_each_merged_projection_adds_every_rows_own_adapter_into_its_modules_sli
         assert not torch.allclose(got, F.linear(x, weight), atol=1e-3), f"{merged}: LoRA added nothing"
         torch.testing.assert_close(one_delta, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{merged}, merged: {m}")
         torch.testing.assert_close(one_launch, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{merged}, fused: {m}")
+        overlap = replace(fused, overlap=True)  # no side stream on CPU: the same code, in order
+        if merged in ("o", "down"):  # the delta goes into the residual stream the output joins
+            residual = torch.randn(len(ids), weight.shape[0], generator=gen)
+            kept = residual.clone()
+            beside = model.residual_project(residual, x, weight, merged, layer, overlap)
+            torch.testing.assert_close(beside, kept + want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{merged}, overlap: {m}")
 
 
 def test_a_mixed_batch_decodes_like_each_adapters_rows_alone_and_unlike_the_base():
@@ -100,6 +106,25 @@ def test_a_mixed_batch_decodes_like_each_adapters_rows_alone_and_unlike_the_base
         assert torch.equal(alone.tokens, mixed.tokens[rows])
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_the_overlapped_step_decodes_like_the_per_module_step(backend_name):
+    """The *_overlap modes' step (o's and down's deltas into the residual stream; in order on
+    CPU) gives the per-module step's logits, k/v and tokens."""
+    model = tiny_model()
+    backend = TorchBackend() if backend_name == "torch" else TritonBackend(interpret=True)
+    pristine = bd.make_state(TINY, len(MIXED), CONTEXT, "cpu", torch.float32, seed=4)
+    rope = model.rotary(pristine.position)
+    everyone = torch.arange(len(MIXED))
+    plain, beside = pristine.select(everyone), pristine.select(everyone)
+    want = model.step(plain, lora_batch(MIXED, TorchBackend()), rope)
+    lb = replace(lora_batch(MIXED, backend), merged=True, fused=True, overlap=True)
+    got = model.step(beside, lb, rope)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(beside.k_cache, plain.k_cache)
+    torch.testing.assert_close(beside.v_cache, plain.v_cache)
+    assert torch.equal(beside.tokens, plain.tokens)
+
+
 def test_the_quick_cpu_run_writes_every_mode_with_ratios_to_base(tmp_path):
     out = tmp_path / "decode.json"
     bd.main(["--device", "cpu", "--quick", "--rounds", "1", "--out", str(out)])
@@ -115,7 +140,7 @@ def test_the_quick_cpu_run_writes_every_mode_with_ratios_to_base(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for compiled Triton kernels and graphs")
-@pytest.mark.parametrize("fused", [False, True], ids=["per-module", "fused"])
+@pytest.mark.parametrize("fused", [False, True, "overlap"], ids=["per-module", "fused", "overlap"])
 def test_the_captured_triton_step_replays_the_eager_step_and_matches_the_torch_reference(fused):
     from clora.kernels import make_backend
 
@@ -124,7 +149,9 @@ def test_the_captured_triton_step_replays_the_eager_step_and_matches_the_torch_r
     pristine = bd.make_state(TINY, len(MIXED), CONTEXT, "cuda", torch.float32, seed=3)
     rope = model.rotary(pristine.position)
     everyone = torch.arange(len(MIXED), device="cuda")
-    lb = replace(lora_batch(MIXED, backend, "cuda"), merged=fused, fused=fused)
+    overlap = fused == "overlap"
+    lb = replace(lora_batch(MIXED, backend, "cuda"), merged=bool(fused), fused=bool(fused), overlap=overlap,
+                 side=torch.cuda.Stream() if overlap else None)
     eager = model.step(pristine.select(everyone), lb, rope)
 
     cpu_model = tiny_model("cpu")  # same seed on another device draws other weights: copy them
