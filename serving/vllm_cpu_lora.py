@@ -195,22 +195,17 @@ class _PackedLayer:
 
 
 def _layer(a_stacked: tuple, b_stacked: tuple, sizes) -> _PackedLayer | None:
-    """The layer's `_PackedLayer`, rebuilt only after vLLM writes into its weights (a new
-    adapter in a slot, a slot reset: in place, which bumps the tensors' write counts); None
-    when the layout is not the one the plan handles. vLLM passes each layer's same tuples on
-    every call, so the lookup is by the tuple's identity: no per-call checks beyond the counts."""
-    versions = tuple(t._version for t in a_stacked) + tuple(t._version for t in b_stacked)
-    hit = _LAYERS.get(id(a_stacked))
-    if hit is not None and hit[0] is a_stacked and hit[1] is b_stacked and hit[2] == versions:
-        return hit[3]
-    usable = all(a.dtype == b.dtype == a_stacked[0].dtype and b.shape[-2] == n and a.is_contiguous()
-                 and b.is_contiguous() for a, b, n in zip(a_stacked, b_stacked, sizes))
-    layer = _PackedLayer(a_stacked, b_stacked, sizes) if usable else None
-    _LAYERS[id(a_stacked)] = (a_stacked, b_stacked, versions, layer)
-    return layer
+    """The layer's `_PackedLayer`, built once per version of its weights (`_per_version`); None
+    when the layout is not the one the plan handles."""
+    def build() -> _PackedLayer | None:
+        usable = all(a.dtype == b.dtype == a_stacked[0].dtype and b.shape[-2] == n and a.is_contiguous()
+                     and b.is_contiguous() for a, b, n in zip(a_stacked, b_stacked, sizes))
+        return _PackedLayer(a_stacked, b_stacked, sizes) if usable else None
+
+    return _per_version(_LAYERS, (*a_stacked, *b_stacked), build)
 
 
-_LAYERS: dict = {}     # id of a layer's A tuple -> (A tuple, B tuple, their write counts, _PackedLayer)
+_LAYERS: dict = {}     # a layer's (A..., B...) -> its _PackedLayer, or None (`_layer`)
 _ZERO_LOGITS: dict = {}  # lm_head LoRA B -> whether it is all zero
 
 
