@@ -189,7 +189,14 @@ class LoraLinear(nn.Module):
         a, b = bank.params[self.index]  # (r, in), (out, r)
         if bank.spec.dropout > 0 and self.training:
             x = x * dropout_keep(x.shape, bank.spec.dropout, bank.dropout_generator, x.device) / (1 - bank.spec.dropout)
-        return y + F.linear(F.linear(x.to(a.dtype), a), b).to(y.dtype) * bank.spec.scaling
+        h = F.linear(x.to(a.dtype), a)  # (..., r)
+        if h.dtype != y.dtype:
+            return y + F.linear(h, b).to(y.dtype) * bank.spec.scaling
+        # y + scaling * (h @ B^T) as one GEMM accumulating onto y: the scale, the product and
+        # the sum as separate ops were three passes (and allocations) over (tokens, out), which
+        # on CPU cost the learner more than the rank-r products themselves
+        return torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), b.t(),
+                           alpha=bank.spec.scaling).view(y.shape)
 
 
 class LoraModel(nn.Module):
