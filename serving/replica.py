@@ -183,13 +183,15 @@ class LocalReplica(Replica):
         return argv + list(s.extra_args)
 
     def env(self) -> dict[str, str]:
-        ops = self.settings.cpu_lora_ops == "clora" and cpu_build()
-        extra = {}
-        if ops:
+        cpu = cpu_build()
+        ops = self.settings.cpu_lora_ops == "clora" and cpu
+        spin = self.settings.shm_spin_s if self.settings.shm_spin_s is not None else (0.0 if cpu else None)
+        extra = {"CLORA_VLLM_SHM_SPIN_S": f"{spin:g}"} if spin is not None else {}
+        if ops or spin is not None:
             hook = write_site_hook(Path(self.settings.log_dir) / "vllm-site")
             extra["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook.resolve()), os.environ.get("PYTHONPATH")) if p)
         return {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "CLORA_VLLM_SHM_SPIN_S"},
             **extra,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
             "VLLM_CPU_KVCACHE_SPACE": str(self.settings.kvcache_space_gib),
