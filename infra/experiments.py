@@ -775,7 +775,8 @@ class Experiment:
         gate's rejection, or (RL) its skipping a batch in which no group has a reward spread.
         Returns (outcome, new version, the learner's step seconds)."""
         rejected, flat = self._learner_count("clora_learner_publishes", fresh=True, outcome="rejected"), \
-            self._learner_count("clora_learner_flat_batches", fresh=True)
+            self._learner_count("clora_learner_flat_batches")
+        untouched = self._progress()
         self._policy(paused=False, min_new_examples=n, batch_size=n)
         deadline = time.monotonic() + self.c.step_timeout_s
         trained: dict | None = None
@@ -783,6 +784,9 @@ class Experiment:
         version = None
         try:
             while time.monotonic() < deadline:
+                if self._progress() == untouched:   # the learner has not reached this tenant yet
+                    time.sleep(self.c.poll_s)
+                    continue
                 points = self.http.get(f"{self.stack.console}/api/tenants/{self.tenant}/metrics",
                                        params={"n": 20}).json()["points"]
                 new = [p for p in points if (p.get("step") or 0) > self.learner_step]
@@ -804,6 +808,14 @@ class Experiment:
         if trained is not None:
             self.learner_step = trained["step"]
         return outcome, version, trained.get("seconds") if trained else None
+
+    def _progress(self) -> float:
+        """Steps, flat batches and gate outcomes the learner has counted for this tenant. Until
+        one of them moves, `_train` reads only the shared scrape, not the console: N tenants
+        queued for the learner polled the console N times every `poll_s`, and on 2 cores that
+        client load (about 5 ms of the console's CPU a read) came out of the work measured."""
+        return sum(self._learner_count(f) for f in ("clora_learner_steps", "clora_learner_flat_batches",
+                                                    "clora_learner_publishes"))
 
     def _learner_count(self, family: str, fresh: bool = False, **labels: str) -> float:
         """A learner counter for this tenant (Prometheus), e.g. gate rejections or flat batches;

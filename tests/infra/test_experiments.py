@@ -271,6 +271,33 @@ def test_a_batch_the_learner_skips_for_no_reward_spread_ends_the_train_phase(tmp
     assert exp._train(6)[0] == "train timeout"
 
 
+class _History:
+    """The console's metrics history for one tenant, counting reads: the learner's step and
+    its version appear once `stepped` is set."""
+
+    def __init__(self):
+        self.reads, self.stepped = 0, False
+
+    def get(self, path: str, params=None):
+        self.reads += 1
+        points = [{"step": 1, "loss": 0.5, "seconds": 2.0}, {"step": 1, "version": 2}] if self.stepped else []
+        return type("Response", (), {"json": lambda _self: {"points": points}})()
+
+
+def test_the_train_phase_reads_the_console_only_once_the_learner_counted_something_for_the_tenant(tmp_path):
+    exp, _ = _experiment(tmp_path, served_from=1)
+    exp.http, exp._policy, polls = _History(), lambda **kw: None, []
+
+    def count(family, **labels):   # the learner steps the tenant (and counts it) on the 6th poll
+        polls.append(family)
+        exp.http.stepped = exp.http.stepped or len(polls) > 3 * 5
+        return float(family == "clora_learner_steps" and exp.http.stepped)
+
+    exp._learner_count = count
+    assert exp._train(6) == ("published", 2, 2.0)
+    assert exp.http.reads == 1        # not one console read while the tenant waited its turn
+
+
 def test_mode_b_splits_the_cores_between_learner_and_engine_unless_the_environment_says(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "environ", dict(os.environ))  # platform_env rewrites CLORA_*: keep it in this test
     for k in CORE_SPLIT:
