@@ -76,11 +76,12 @@ class EngineSettings(BaseSettings):
     """CPU build only: "clora" starts replicas with the hook of `clora.serving.vllm_launch`,
     which swaps in grouped LoRA ops (`serving/vllm_cpu_lora.py`: faster multi-LoRA, base rows stay base);
     "vllm" keeps vLLM's own ops."""
-    shm_spin_s: float | None = Field(default=None, ge=0, le=10)
-    """How long a replica process that waits on another's shared-memory queue (the EngineCore on
-    its worker's step, the worker on the next step) spins before it sleeps until pinged
-    (`clora.serving.vllm_launch`). None: 0 on a CPU build, where the spinning EngineCore took a
-    third of a core from the model and the learner (vLLM spins 1 s); vLLM's own on a GPU."""
+    shm_poll_s: float | None = Field(default=None, ge=0, le=0.1)
+    """How often a replica process waiting on another's shared-memory queue (the EngineCore on
+    its worker's step, the worker on the next step) checks it, asleep in between, where vLLM
+    yields and checks in a loop (`clora.serving.vllm_launch`). None: 0.0002 on a CPU build, where
+    the yielding EngineCore took a third of a core from the model and the learner; vLLM's own
+    loop on a GPU."""
     base_via_zero_adapter: bool | None = None
     """Serve base-model requests through an all-zero adapter (see `serving/zero_adapter.py`:
     works around vLLM's CPU LoRA ops applying the last slot's adapter to base rows in mixed

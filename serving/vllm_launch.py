@@ -10,17 +10,20 @@ variable is set (`LocalReplica.env` sets them on a CPU build):
 
 - `CLORA_VLLM_CPU_LORA_OPS=1`: clora's CPU LoRA ops (`clora.serving.vllm_cpu_lora`) replace
   those of `vllm.lora.punica_wrapper.punica_cpu`.
-- `CLORA_VLLM_SHM_SPIN_S=<seconds>`: how long a reader of vLLM's shared-memory queues
-  (`vllm.distributed.device_communicators.shm_broadcast.SpinCondition`) spins after its last
-  read before it sleeps on the socket every write pings (`limit_shm_spin`). vLLM spins for 1 s:
-  the EngineCore yields in a loop while its worker runs each step. On a GPU host that costs an
-  idle core; on a CPU host it takes the core from the model or from whatever else runs there.
-  Measured in `clora bench experiments` on 2 cores: the spinning EngineCore used a third of a
-  core while the engine served, taken from the learner beside it.
+- `CLORA_VLLM_SHM_POLL_S=<seconds>`: how a reader of vLLM's shared-memory queues
+  (`vllm.distributed.device_communicators.shm_broadcast.SpinCondition`) waits while it is in
+  its busy window (1 s after its last read): asleep for that long between checks instead of
+  yielding in a loop (`poll_shm_queues`). The EngineCore waits so on its worker for every step.
+  On a GPU host that costs an idle core; on a CPU host it takes the core from the model or from
+  whatever else runs there. Measured in `clora bench experiments` on 2 cores: the EngineCore
+  used a third of a core while the engine served, taken from the learner beside it. (Ending
+  the busy window at once, so that readers wait on the socket every write pings, was tried: a
+  decode step then took about 2 s, the readers waking late.)
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 HOOK = '''"""Written by clora.serving.vllm_launch: patch vLLM modules after they are imported."""
@@ -35,19 +38,19 @@ def _lora_ops(module):
     print(f"clora: CPU LoRA ops in pid {os.getpid()}:", ", ".join(install()), file=sys.stderr)
 
 
-def _shm_spin(module):
-    from clora.serving.vllm_launch import limit_shm_spin
+def _shm_poll(module):
+    from clora.serving.vllm_launch import poll_shm_queues
 
-    spin_s = float(os.environ["CLORA_VLLM_SHM_SPIN_S"])
-    if limit_shm_spin(module, spin_s):
-        print(f"clora: shared-memory queue readers spin {spin_s:g} s in pid {os.getpid()}", file=sys.stderr)
+    poll_s = float(os.environ["CLORA_VLLM_SHM_POLL_S"])
+    if poll_shm_queues(module, poll_s):
+        print(f"clora: shared-memory queue readers poll every {poll_s:g} s in pid {os.getpid()}", file=sys.stderr)
 
 
 _PATCHES = {}
 if os.environ.get("CLORA_VLLM_CPU_LORA_OPS") == "1":
     _PATCHES["vllm.lora.punica_wrapper.punica_cpu"] = _lora_ops
-if os.environ.get("CLORA_VLLM_SHM_SPIN_S"):
-    _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _shm_spin
+if os.environ.get("CLORA_VLLM_SHM_POLL_S"):
+    _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _shm_poll
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -78,24 +81,24 @@ if _PATCHES:
 '''
 
 
-def limit_shm_spin(module, spin_s: float) -> bool:
-    """Make every reader `module.SpinCondition` creates (vLLM's `shm_broadcast`) spin `spin_s`
-    seconds after its last read instead of vLLM's `busy_loop_s` (1 s), then wait on its notify
-    socket: the writer pings it on every write, so a sleeping reader wakes for the next message.
-    Returns False (and changes nothing) when the module has no such class: a vLLM this was not
-    written against. A reader without `busy_loop_s` is left as it is."""
+def poll_shm_queues(module, poll_s: float) -> bool:
+    """Make every reader of `module.SpinCondition` (vLLM's `shm_broadcast`) sleep `poll_s`
+    between checks of its queue during its busy window, where vLLM yields and checks again at
+    once; past the window, vLLM's own wait (on the notify socket) is unchanged. Returns False
+    (and changes nothing) when the module has no such class: a vLLM this was not written for."""
     cls = getattr(module, "SpinCondition", None)
-    if cls is None or getattr(cls.__init__, "clora_spin_s", None) is not None:
+    if cls is None or getattr(cls.wait, "clora_poll_s", None) is not None:
         return cls is not None
-    init = cls.__init__
+    wait = cls.wait
 
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if getattr(self, "is_reader", False) and hasattr(self, "busy_loop_s"):
-            self.busy_loop_s = spin_s
+    def polling_wait(self, timeout_ms: int | None = None) -> None:
+        if getattr(self, "is_reader", False) and time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(poll_s)
+            return
+        wait(self, timeout_ms)
 
-    __init__.clora_spin_s = spin_s
-    cls.__init__ = __init__
+    polling_wait.clora_poll_s = poll_s
+    cls.wait = polling_wait
     return True
 
 
