@@ -35,9 +35,9 @@ from clora.serving.vllm_launch import write_site_hook
 log = logging.getLogger(__name__)
 
 
-CPU_SHM_POLL_S = 0.0002
-"""`EngineSettings.shm_poll_s` on a CPU build: a step's result waits 0.1 ms on average to be
-seen, against the 20-100 ms a decode step of SmolLM2 takes there."""
+CPU_SHM_POLL_S = 0.002
+"""`EngineSettings.shm_poll_s` on a CPU build: the longest a waiting reader sleeps between
+checks, against the 20-100 ms a decode step of SmolLM2 takes there."""
 
 
 def cpu_build() -> bool:

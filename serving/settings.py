@@ -77,9 +77,9 @@ class EngineSettings(BaseSettings):
     which swaps in grouped LoRA ops (`serving/vllm_cpu_lora.py`: faster multi-LoRA, base rows stay base);
     "vllm" keeps vLLM's own ops."""
     shm_poll_s: float | None = Field(default=None, ge=0, le=0.1)
-    """How often a replica process waiting on another's shared-memory queue (the EngineCore on
-    its worker's step, the worker on the next step) checks it, asleep in between, where vLLM
-    yields and checks in a loop (`clora.serving.vllm_launch`). None: 0.0002 on a CPU build, where
+    """The longest a replica process waiting on another's shared-memory queue (the EngineCore on
+    its worker's step, the worker on the next step) sleeps between checks of it, where vLLM
+    yields and checks in a loop (`clora.serving.vllm_launch`). None: 0.002 on a CPU build, where
     the yielding EngineCore took a third of a core from the model and the learner; vLLM's own
     loop on a GPU."""
     base_via_zero_adapter: bool | None = None

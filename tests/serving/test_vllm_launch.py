@@ -29,9 +29,14 @@ def test_a_reader_in_its_busy_window_sleeps_and_past_it_waits_as_vllm_does():
     module = types.SimpleNamespace(SpinCondition=type("SpinCondition", (_Condition,), {}))
     assert poll_shm_queues(module, 0.05) and poll_shm_queues(module, 9.0)   # the second changes nothing
     reader = module.SpinCondition(True)
+    reader.last_read -= 30                    # inside its window, long enough for the longest sleep
     began = time.monotonic()
     reader.wait()
     assert time.monotonic() - began >= 0.05 and reader.idle_waits == 0
+    reader.last_read = time.monotonic()       # it just read: a short sleep, not the longest
+    began = time.monotonic()
+    reader.wait()
+    assert time.monotonic() - began < 0.05 and reader.idle_waits == 0
     reader.last_read -= 120                                                 # past its busy window
     reader.wait()
     assert reader.idle_waits == 1
@@ -51,7 +56,8 @@ def test_vllm_s_reader_sleeps_between_checks_instead_of_yielding(monkeypatch):
     context = zmq.Context()
     reader = shm.SpinCondition(is_reader=True, context=context, notify_address="inproc://clora-poll-test")
     try:
-        reader.record_read()                 # it just read: vLLM would yield and return at once
+        reader.record_read()                 # it read 0.8 s ago: vLLM would yield and return at once
+        reader.last_read -= 0.8
         began = time.monotonic()
         for _ in range(3):
             reader.wait(timeout_ms=60_000)
