@@ -43,7 +43,7 @@ def _shm_poll(module):
 
     poll_s = float(os.environ["CLORA_VLLM_SHM_POLL_S"])
     if poll_shm_queues(module, poll_s):
-        print(f"clora: shared-memory queue readers poll every {poll_s:g} s in pid {os.getpid()}", file=sys.stderr)
+        print(f"clora: shared-memory queue readers poll at most every {poll_s:g} s in pid {os.getpid()}", file=sys.stderr)
 
 
 _PATCHES = {}

@@ -53,7 +53,7 @@ def test_mixed_batch_equals_each_adapter_alone(serving, tenants, client_for):
     if cpu_build():
         log = replica.log_path.read_text(errors="replace")
         assert "PunicaWrapperCPU.add_lora_linear" in log
-        assert "shared-memory queue readers poll every" in log
+        assert "shared-memory queue readers poll at most every" in log
 
 
 def test_more_tenants_than_vllm_keeps_in_memory_stay_loaded_and_vllm_rereads_them(serving, tenants, client_for):
