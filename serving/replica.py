@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 CPU_SHM_POLL_S = 0.002
-"""`EngineSettings.shm_poll_s` on a CPU build: the longest a waiting reader sleeps between
-checks, against the 20-100 ms a decode step of SmolLM2 takes there."""
+"""`EngineSettings.shm_poll_s` on a CPU build: the longest a waiting reader blocks between
+checks (a ping wakes it sooner), against the 20-100 ms a decode step of SmolLM2 takes there."""
 
 
 def cpu_build() -> bool:

@@ -78,10 +78,10 @@ class EngineSettings(BaseSettings):
     "vllm" keeps vLLM's own ops."""
     shm_poll_s: float | None = Field(default=None, ge=0, le=0.1)
     """The longest a replica process waiting on another's shared-memory queue (the EngineCore on
-    its worker's step, the worker on the next step) sleeps between checks of it, where vLLM
-    yields and checks in a loop (`clora.serving.vllm_launch`). None: 0.002 on a CPU build, where
-    the yielding EngineCore took a third of a core from the model and the learner; vLLM's own
-    loop on a GPU."""
+    its worker's step, the worker on the next step) blocks between checks of it, woken early by
+    the writer's ping, where vLLM yields and checks in a loop (`clora.serving.vllm_launch`).
+    None: 0.002 on a CPU build, where the yielding EngineCore took a third of a core from the
+    model and the learner; vLLM's own loop on a GPU."""
     base_via_zero_adapter: bool | None = None
     """Serve base-model requests through an all-zero adapter (see `serving/zero_adapter.py`:
     works around vLLM's CPU LoRA ops applying the last slot's adapter to base rows in mixed

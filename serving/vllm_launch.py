@@ -12,19 +12,21 @@ variable is set (`LocalReplica.env` sets them on a CPU build):
   those of `vllm.lora.punica_wrapper.punica_cpu`.
 - `CLORA_VLLM_SHM_POLL_S=<seconds>`: how a reader of vLLM's shared-memory queues
   (`vllm.distributed.device_communicators.shm_broadcast.SpinCondition`) waits while it is in
-  its busy window (1 s after its last read): asleep between checks, at most that long,
-  instead of yielding in a loop (`poll_shm_queues`). The EngineCore waits so on its worker for every step.
+  its busy window (1 s after its last read): blocked on the writer's ping between checks, at
+  most that long, instead of yielding in a loop (`poll_shm_queues`). The EngineCore waits so on its worker for every step.
   On a GPU host that costs an idle core; on a CPU host it takes the core from the model or from
   whatever else runs there. Measured in `clora bench experiments` on 2 cores: the EngineCore
-  used a third of a core while the engine served, taken from the learner beside it. (Ending
-  the busy window at once, so that readers wait on the socket every write pings, was tried: a
-  decode step then took about 2 s, the readers waking late.)
+  used a third of a core while the engine served, taken from the learner beside it. The patch
+  waits on the socket every write pings, with a timeout in case a ping is missed.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+
+_ZMQ_NOBLOCK = 1
+"""`zmq.NOBLOCK` (zmq is vLLM's dependency, not imported here)."""
 
 HOOK = '''"""Written by clora.serving.vllm_launch: patch vLLM modules after they are imported."""
 import importlib.abc
@@ -82,14 +84,17 @@ if _PATCHES:
 
 
 def poll_shm_queues(module, poll_s: float) -> bool:
-    """Make every reader of `module.SpinCondition` (vLLM's `shm_broadcast`) sleep between
-    checks of its queue during its busy window, where vLLM yields and checks again at once.
-    Each sleep is an eighth of the time since the reader's last read, from 50 us up to `poll_s`:
-    a short wait (the worker's, for the next step) ends within a fraction of itself, a long one
-    (the EngineCore's, for a step) within `poll_s`, with few wake-ups. A fixed 0.2 ms woke the
-    EngineCore 5,000 times a second; where the model's OpenMP threads have every core, each
-    wake-up stalls them (`bench_serving`: base 155 tok/s against 177-186). Past the window, vLLM's
-    own wait (on the notify socket) is unchanged. Returns False (and changes nothing) when the
+    """Make every reader of `module.SpinCondition` (vLLM's `shm_broadcast`) block between checks
+    of its queue during its busy window, where vLLM yields and checks again at once. It waits on
+    the notify socket the writer pings after every write, so it wakes as the data arrives, but
+    for at most an eighth of the time since its last read, from 1 ms up to `poll_s`: the socket
+    can miss a ping (vLLM's own idle wait, used at once after a read, made a decode step take
+    about 2 s), and the timeout bounds what a missed one costs. A long wait (the EngineCore's,
+    for a step) wakes a few times, a short one (the worker's, for the next step) at once.
+    Sleeping instead of the socket (an eighth of the wait, 50 us to 2 ms) overshot each wait:
+    8 mixed adapters served 142-146 tok/s against 149-157 with vLLM's loop (`bench_serving`); a
+    fixed 0.2 ms sleep woke the EngineCore 5,000 times a second and cost the base model 15%.
+    Past the window, vLLM's own wait is unchanged. Returns False (and changes nothing) when the
     module has no such class: a vLLM this was not written for."""
     cls = getattr(module, "SpinCondition", None)
     if cls is None or getattr(cls.wait, "clora_poll_s", None) is not None:
@@ -99,7 +104,14 @@ def poll_shm_queues(module, poll_s: float) -> bool:
     def polling_wait(self, timeout_ms: int | None = None) -> None:
         waited = time.monotonic() - self.last_read if getattr(self, "is_reader", False) else float("inf")
         if waited <= self.busy_loop_s:
-            time.sleep(min(poll_s, max(waited / 8, 50e-6)))
+            pause = min(poll_s, max(waited / 8, 1e-3))
+            poller = getattr(self, "poller", None)
+            if poller is None:                  # a class without vLLM's poller (tests' stand-in): sleep
+                time.sleep(pause)
+                return
+            events = dict(poller.poll(timeout=max(1, round(pause * 1000))))   # in ms
+            if self.local_notify_socket in events:   # a ping (or one left from a read in the window)
+                self.local_notify_socket.recv(flags=_ZMQ_NOBLOCK, copy=False)
             return
         wait(self, timeout_ms)
 

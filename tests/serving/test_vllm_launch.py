@@ -4,9 +4,11 @@ vLLM's spawned EngineCore and worker run it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -46,26 +48,64 @@ def test_a_reader_in_its_busy_window_sleeps_and_past_it_waits_as_vllm_does():
     assert not poll_shm_queues(types.SimpleNamespace(), 0.05)               # a vLLM without the class
 
 
-def test_vllm_s_reader_sleeps_between_checks_instead_of_yielding(monkeypatch):
+@contextlib.contextmanager
+def _queue_condition(shm, zmq, address: str):
+    """vLLM's writer and reader `SpinCondition` on one inproc address; closed and terminated after.
+    The writer binds first, as in vLLM: libzmq 4.3.5 can hang or abort terminating a context whose
+    SUB socket connected to an inproc address nobody bound (CI hung in term())."""
+    context = zmq.Context()
+    writer = shm.SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = shm.SpinCondition(is_reader=True, context=context, notify_address=address)
+    try:
+        yield writer, reader
+    finally:
+        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket,
+                     writer.local_notify_socket):
+            sock.close(linger=0)
+        context.term()
+
+
+def test_vllm_s_reader_blocks_between_checks_instead_of_yielding(monkeypatch):
     zmq = pytest.importorskip("zmq")
     shm = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
     monkeypatch.setattr(shm.SpinCondition, "wait", shm.SpinCondition.wait)    # undone after the test
     yields = []
     monkeypatch.setattr(shm, "sched_yield", lambda: yields.append(1))
     assert poll_shm_queues(shm, 0.05)
-    context = zmq.Context()
-    reader = shm.SpinCondition(is_reader=True, context=context, notify_address="inproc://clora-poll-test")
-    try:
+    with _queue_condition(shm, zmq, "inproc://clora-poll-test") as (_, reader):
         reader.record_read()                 # it read 0.8 s ago: vLLM would yield and return at once
         reader.last_read -= 0.8
         began = time.monotonic()
         for _ in range(3):
             reader.wait(timeout_ms=60_000)
         assert time.monotonic() - began >= 0.15 and yields == []
-    finally:
-        for sock in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket):
-            sock.close(linger=0)
-        context.term()
+
+
+def test_vllm_s_reader_wakes_on_the_writer_s_ping_not_at_its_timeout(monkeypatch):
+    zmq = pytest.importorskip("zmq")
+    shm = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+    monkeypatch.setattr(shm.SpinCondition, "wait", shm.SpinCondition.wait)    # undone after the test
+    monkeypatch.setattr(shm, "sched_yield", lambda: pytest.fail("the patched reader yielded"))
+    assert poll_shm_queues(shm, 600.0)
+    with _queue_condition(shm, zmq, "inproc://clora-ping-test") as (writer, reader):
+        reader.busy_loop_s = 3600.0
+        reader.last_read -= 480              # in its window: a timeout of 60 s, an eighth of that
+        woke = threading.Event()
+
+        def ping() -> None:                  # until the reader is woken (a PUB socket drops pings before
+            while not woke.wait(0.01):       # the subscription reaches it)
+                writer.notify()
+
+        pinger = threading.Thread(target=ping, daemon=True)
+        try:
+            pinger.start()
+            began = time.monotonic()
+            reader.wait(timeout_ms=60_000)
+            woke.set()
+            assert time.monotonic() - began < 30   # woken by a ping: sleeping would take 60 s
+        finally:
+            woke.set()
+            pinger.join()
 
 
 def test_the_hook_patches_the_queue_in_a_fresh_interpreter(tmp_path):
