@@ -18,6 +18,13 @@ interaction `{response.id}-{i}` (see serving/completions.py), and so does the tr
 episode's later turns carry its first turn's interaction id in `metadata.episode_id`, so the
 platform counts an episode's reward once however many turns it took.
 
+Seeded sampling: with `seed`, every call carries a sampling seed derived from it, the
+episode's branch in its group and the conversation so far (roles, contents, tool names and
+arguments; not the ids the server made up). Two agents with the same seed that see the same
+conversation sample alike, whatever order their calls run in: `clora bench experiments` so
+gives experiment i the same episodes in both of its modes, as long as the model does too. A
+group's first call asks for `n` samples with one seed; vLLM seeds sample `i` with seed + i.
+
 Conversations: with a `session` (an environment's, `TaskEnv.session`), the tool calls run on
 the session's own state and a plain reply goes to the session's user, whose answer is appended
 as a `user` message and the episode goes on, until the user ends it or `max_turns`.
@@ -26,6 +33,7 @@ as a `user` message and the episode goes on, until the user ends it or `max_turn
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -128,6 +136,22 @@ def assistant_message(message: Any) -> dict[str, Any]:
     return out
 
 
+SEED_SPAN = 2**31 - 2**16
+"""Call seeds lie in [0, SEED_SPAN): a group's samples (seed + i) stay below 2**31."""
+
+
+def call_seed(seed: int, branch: int, messages: list[dict[str, Any]]) -> int:
+    """The sampling seed of a call that continues `messages` on `branch` of its group (-1: a
+    group's first call, for all of its samples) under the agent's `seed`. It depends on the
+    roles, contents and tool calls' names and arguments, not on their ids (the server's).
+    Example: `call_seed(3, 0, msgs) == call_seed(3, 0, copy_of_msgs)`, and != with branch 1."""
+    said = [(m.get("role"), m.get("content"),
+             [(c.get("function", {}).get("name"), c.get("function", {}).get("arguments"))
+              for c in m.get("tool_calls") or []]) for m in messages]
+    digest = hashlib.blake2b(json.dumps([seed, branch, said], default=str).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % SEED_SPAN
+
+
 def _answer_text(value: Any) -> str:
     if isinstance(value, bool):
         return json.dumps(value)
@@ -150,14 +174,16 @@ class _Episode:
     turns: list[Turn] = field(default_factory=list)
     answer: str | None = None
     stop: Stop | None = None
+    branch: int = 0
+    """Which of its group's samples this episode continues (0 alone)."""
 
     def __post_init__(self) -> None:
         if self.session is not None:
             self.tools = self.session.tools
 
-    def fork(self) -> "_Episode":
+    def fork(self, branch: int = 0) -> "_Episode":
         return _Episode([dict(m) for m in self.messages], self.tools, self.max_turns, self.group_id,
-                        self.session.fork() if self.session is not None else None)
+                        self.session.fork() if self.session is not None else None, branch=branch)
 
     def take(self, interaction_id: str, message: dict[str, Any], finish_reason: str | None,
              prompt_tokens: int, completion_tokens: int) -> None:
@@ -219,6 +245,9 @@ class _AgentConfig:
     max_tokens: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
     """More `create` keywords (top_p, seed, logprobs, ...)."""
+    seed: int | None = None
+    """Seeds every call from this, the episode's branch and the conversation (`call_seed`); None:
+    unseeded (a `seed` in `extra` is sent as it is either way)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -232,6 +261,8 @@ class _AgentConfig:
         if n > 1:
             kw["n"] = n
         ep = episodes[0]
+        if self.seed is not None and "seed" not in kw:
+            kw["seed"] = call_seed(self.seed, ep.branch if n == 1 else -1, messages)
         ids = {"group_id": ep.group_id,
                "episode_id": ep.turns[0].interaction_id if n == 1 and ep.turns else None}
         ids = {k: v for k, v in ids.items() if v is not None}
@@ -287,7 +318,7 @@ class Agent(_AgentConfig):
         each in its own copy of `session` (the environment's conversation, when it has one)."""
         group_id = group_id or (f"grp-{uuid.uuid4().hex}" if n > 1 else None)
         first = self._new(messages, group_id, session)
-        episodes = [first.fork() for _ in range(n)]
+        episodes = [first.fork(i) for i in range(n)]
         self._call(episodes, first.messages, n)
         open_ = [ep for ep in episodes if ep.stop is None]
         if len(open_) > 1:  # the branches' later turns at once: the engine batches them
@@ -322,7 +353,7 @@ class AsyncAgent(_AgentConfig):
                         session: Any | None = None) -> list[EpisodeTrace]:
         group_id = group_id or (f"grp-{uuid.uuid4().hex}" if n > 1 else None)
         first = self._new(messages, group_id, session)
-        episodes = [first.fork() for _ in range(n)]
+        episodes = [first.fork(i) for i in range(n)]
         await self._call(episodes, first.messages, n)
 
         async def finish(ep: _Episode) -> None:

@@ -192,7 +192,7 @@ class TenantTraffic:
     def __init__(self, tenant: str, agent: Agent, env: TaskEnv, feedback: FeedbackClient, *,
                  group_size: int = 4, prompts_per_step: int = 2, concurrency: int = 4,
                  difficulty: Difficulty | None = None, seed: int = 0, operator: OperatorSimulator | None = None,
-                 user: ThumbsUser | None = None):
+                 user: ThumbsUser | None = None, group_seed: str | None = None):
         if group_size < 1 or prompts_per_step < 1 or concurrency < 1:
             raise ValueError(f"{tenant}: group_size ({group_size}), prompts_per_step ({prompts_per_step}) and "
                              f"concurrency ({concurrency}) must be >= 1")
@@ -201,12 +201,16 @@ class TenantTraffic:
         self.tenant, self.agent, self.env, self.feedback = tenant, agent, env, feedback
         self.group_size, self.prompts_per_step, self.concurrency = group_size, prompts_per_step, concurrency
         self.difficulty, self.seed, self.operator, self.user = difficulty, seed, operator, user
+        self.group_seed = group_seed
+        """Names step s's k-th group `{group_seed}-{s}-{k}` instead of a random id: two traffics
+        with the same group seed (a paired benchmark's two runs of one experiment) hold out the
+        same groups, which the buffers choose by group id. None: random ids."""
         self.steps_done = 0
 
-    def _group(self, problem: Problem) -> list[Rollout] | str:
+    def _group(self, problem: Problem, name: str | None = None) -> list[Rollout] | str:
         # a user's traffic is single replies, as production's is: no group id, so each thumbed
         # reply is scored alone (a group of one would have no sibling to be compared with)
-        group_id = None if self.user else f"{self.tenant}-{uuid.uuid4().hex[:16]}"
+        group_id = None if self.user else name or f"{self.tenant}-{uuid.uuid4().hex[:16]}"
         try:
             traces = self.agent.run_group(list(problem.messages), self.group_size, group_id=group_id,
                                           session=self.env.session(problem))
@@ -224,8 +228,10 @@ class TenantTraffic:
         started = time.monotonic()
         step = self.steps_done
         problems = self.problems_for(step)
+        names = [f"{self.group_seed}-{step}-{k}" if self.group_seed is not None else None
+                 for k in range(len(problems))]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            results = list(pool.map(self._group, problems))
+            results = list(pool.map(self._group, problems, names))
             rollouts = [r for res in results if not isinstance(res, str) for r in res]
             # a following operator makes model calls of its own: review the rollouts concurrently
             reviews = list(pool.map(self.operator.review, rollouts)) if self.operator else []

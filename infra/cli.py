@@ -286,6 +286,11 @@ def bench_experiments(
         keep: Annotated[bool, typer.Option(help="Keep the platforms' data folders (logs, adapters)")] = False,
         init_adapter: Annotated[str | None, typer.Option("--init-adapter", help="A PEFT LoRA adapter folder every "
                                          "experiment's tenant starts from (served as v1 before step 1)")] = None,
+        seed: Annotated[int, typer.Option(help="Workload seed: experiment i's problems and sampling seeds come from "
+                                          "it and i, the same in both modes (another seed, other episodes)")] = 0,
+        run_id: Annotated[str | None, typer.Option(help="Name of the run's groups, which decides the groups held "
+                                          "out (default: a fresh one, recorded in the JSON's config; a run's "
+                                          "recorded one, with its options, repeats its workload)")] = None,
         log_level: LogLevel = "WARNING"):
     """N RL experiments of K steps on a tool-use task: one after another on fresh platforms
     (cold) vs all at once on one warm platform. Prints a table (with the step growth B's measured
@@ -308,7 +313,7 @@ def bench_experiments(
             algorithm=_choice("--algorithm", algorithm, ("rl", "sft")), model=model, models_dir=models_dir,
             training_mode=_choice("--training-mode", training_mode, ("serial", "fused")),
             step_timeout_s=step_timeout, eval_size=eval_size, out=out, keep=keep, init_adapter=init_adapter,
-            reward_threshold=reward_threshold)
+            seed=seed, run_id=run_id, reward_threshold=reward_threshold)
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from e

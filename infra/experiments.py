@@ -36,7 +36,14 @@ the time to the end of the first N of them (the prefix). Mode B (concurrent, "wa
 platform, started once (start-up and one warm-up step reported apart, not counted); for each
 N, N fresh tenants run at once, one thread each; while they wait for the learner they share one
 scrape of its counters per poll (`LearnerCounters`: the scrapes are served on the learner's
-core). Experiment i uses the same problems in both modes (traffic seed i).
+core). Experiment i uses the same problems in both modes (traffic seed i; `--seed S` moves
+every experiment's seed by S x `SEED_STRIDE`), samples them with the same seed (`Agent.seed`:
+each call's seed follows from it and the conversation so far), and names
+its groups alike (`TenantTraffic.group_seed`, from the run's id and i; the buffers hold out
+whole groups by id), so both modes' runs of it see the same episodes and train on the same
+ones for as long as their versions answer alike. Only the groups with a reward spread train,
+so unpaired runs differed by how many steps each mode happened to train, and the speedup with
+it.
 
 Reported per N: speedup = A time / B time to the last experiment's end, mean experiment
 time, mean step time with its rollout / train / sync means, step-time growth (B / A), each
@@ -71,11 +78,13 @@ rollouts averaged at least `--reward-threshold` (0.8), beside the time to finish
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -120,6 +129,13 @@ ENV_DEFAULTS: dict[str, dict[str, int]] = {
 Outcome = Literal["published", "rejected", "no data", "no spread", "train timeout", "sync timeout"]
 
 
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""What a run id may be (it becomes part of every group's id)."""
+
+SEED_STRIDE = 100_003
+"""`BenchConfig.seed` moves every experiment's seed by this much (more than any N)."""
+
+
 class ExperimentError(RuntimeError):
     """An experiment could not run (platform, control API or gateway failure)."""
 
@@ -162,6 +178,13 @@ class BenchConfig:
     reward_window: int = 1
     """Steps the threshold's reach and the smoothed curve average over (each step's own mean
     rests on its few prompts: 2 in the learn preset, whose draw moves it more than learning)."""
+    seed: int = 0
+    """Experiment i's problems, sampling and operator come from seed i + `SEED_STRIDE` x this,
+    in both modes: another seed, another workload (0: seed i)."""
+    run_id: str | None = None
+    """Every experiment's groups are named from it (`Experiment.run_id`), which decides the groups
+    the buffers hold out. None: a fresh one per run (`Bench` draws it and the JSON records it);
+    a run's recorded one repeats its workload exactly."""
     preset: Literal["speed", "learn"] = "speed"
     """Which `PRESETS` entry the knobs started from (`from_preset`)."""
 
@@ -178,6 +201,8 @@ class BenchConfig:
             raise ValueError(f"eval_size must be >= 0, got {self.eval_size}")
         if not 0.0 < self.reward_threshold <= 1.0:
             raise ValueError(f"reward_threshold must be in (0, 1], got {self.reward_threshold}")
+        if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
+            raise ValueError(f"--run-id must be 1-64 letters, digits, '-' or '_', got {self.run_id!r}")
         if self.reward_window < 1:
             raise ValueError(f"reward_window must be >= 1, got {self.reward_window}")
         if self.reward_window > self.steps:        # a preset's window over fewer steps: all of them
@@ -671,8 +696,12 @@ class Experiment:
     the held-out scores of what it ends with (`held_out`)."""
 
     def __init__(self, stack: Stack, tenant: str, index: int, config: BenchConfig,
-                 on_step: Callable[[str, StepRecord], None] | None = None, counters: LearnerCounters | None = None):
+                 on_step: Callable[[str, StepRecord], None] | None = None, counters: LearnerCounters | None = None,
+                 run_id: str | None = None):
         self.stack, self.tenant, self.index, self.c, self.on_step = stack, tenant, index, config, on_step
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.seed = index + SEED_STRIDE * config.seed
+        """Shared by both modes' runs of this experiment: its group ids follow from it (`TenantTraffic.group_seed`)."""
         self.env = bench_env(config)
         self.counters = counters or LearnerCounters(lambda: httpx.get(stack.learner_metrics, timeout=30).text,
                                                     config.poll_s)
@@ -687,12 +716,12 @@ class Experiment:
         key = self.key = self._create_tenant()
         client = OpenAI(base_url=self.stack.gateway + "/v1", api_key=key, max_retries=2, timeout=600)
         agent = Agent(client, self.tenant, tools=env.tools, max_turns=c.max_turns, temperature=c.temperature,
-                      max_tokens=c.max_tokens)
-        self.operator = OperatorSimulator(env, share=1.0, seed=self.index) if c.algorithm == "sft" else None
+                      max_tokens=c.max_tokens, seed=self.seed)
+        self.operator = OperatorSimulator(env, share=1.0, seed=self.seed) if c.algorithm == "sft" else None
         traffic = TenantTraffic(self.tenant, agent, env, FeedbackClient(self.stack.webhook, key),
                                 group_size=c.group_size, prompts_per_step=c.prompts_per_step,
-                                concurrency=c.prompts_per_step, difficulty=c.difficulty, seed=self.index,
-                                operator=self.operator)
+                                concurrency=c.prompts_per_step, difficulty=c.difficulty, seed=self.seed,
+                                operator=self.operator, group_seed=f"grp-{self.run_id}-{self.index}")
         self.gateway = httpx.Client(base_url=self.stack.gateway, timeout=60, headers={"Authorization": f"Bearer {key}"})
         records = []
         try:
@@ -844,10 +873,17 @@ class Bench:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        if self.config.run_id is None:          # drawn now, so that the JSON's config records it
+            self.config = replace(self.config, run_id=uuid.uuid4().hex[:12])
         # mode B runs max(ns) experiments at once: every one's adapter in one engine batch
         c = self.config
         self.launcher = PlatformLauncher(model=c.model, models_dir=c.models_dir, slots=max(c.ns),
                                          training_mode=c.training_mode, root=self.root)
+
+    @property
+    def run_id(self) -> str:
+        """Both modes' experiment i name their groups from it and i (`Experiment.run_id`)."""
+        return self.config.run_id
 
     def run(self) -> dict:
         c = self.config
@@ -942,7 +978,7 @@ class Bench:
                 self.console.print(f"[A] experiment {i + 1}/{n}: platform up in {startup:.0f} s")
                 meter = CpuMeter(platform)
                 before = meter.read()
-                exp = Experiment(stack, f"seq-{i}", i, self.config, self._progress("A"))
+                exp = Experiment(stack, f"seq-{i}", i, self.config, self._progress("A"), run_id=self.run_id)
                 steps = exp.run()
                 ended = time.monotonic() - clock
                 work = meter.read() - before
@@ -979,7 +1015,8 @@ class Bench:
 
                 def one(i: int, n=n, clock=clock) -> tuple[Experiment, ExperimentResult]:
                     tenant = f"conc{n}-{i}"
-                    exp = Experiment(stack, tenant, i, self.config, self._progress(f"B N={n}"), counters)
+                    exp = Experiment(stack, tenant, i, self.config, self._progress(f"B N={n}"), counters,
+                                     run_id=self.run_id)
                     steps = exp.run()
                     return exp, ExperimentResult(tenant, i, 0.0, time.monotonic() - clock, tuple(steps))
 

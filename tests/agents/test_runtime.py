@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from clora.agents.envs import ArithmeticEnv, SupportEnv
-from clora.agents.runtime import Agent, AgentError, AsyncAgent
+from clora.agents.runtime import SEED_SPAN, Agent, AgentError, AsyncAgent, call_seed
 from clora.agents.tools import Calculator, FinalAnswer, ToolRegistry
 
 from tests.fakes import oracle
@@ -151,3 +151,59 @@ def test_async_agent_runs_group_branches_concurrently(fake_openai):
 def test_max_turns_must_be_positive(openai_client):
     with pytest.raises(ValueError, match="max_turns must be >= 1"):
         Agent(openai_client, "acme", TOOLS, max_turns=0)
+
+
+class _SeedClient:
+    """An OpenAI-shaped client that answers every call alike except for the tool call ids it
+    makes up, as a server does; it records each call's (n, seed)."""
+
+    def __init__(self):
+        import threading
+        from types import SimpleNamespace as NS
+
+        self._ns, self._lock, self.calls = NS, threading.Lock(), []
+        self.chat = NS(completions=NS(create=self.create))
+
+    def create(self, **kw):
+        import uuid
+
+        NS, n = self._ns, kw.get("n", 1)
+        with self._lock:
+            self.calls.append((n, kw.get("seed")))
+        def message():
+            if n == 1:
+                return NS(content="done", tool_calls=None)
+            return NS(content=None, tool_calls=[NS(id=uuid.uuid4().hex, function=NS(
+                name="calculator", arguments='{"expression": "1+1"}'))])
+        choices = [NS(index=i, message=message(), finish_reason="stop") for i in range(n)]
+        return NS(id=uuid.uuid4().hex, choices=choices, usage=NS(prompt_tokens=5, completion_tokens=n))
+
+
+def _seeds(**agent) -> list[tuple[int, int | None]]:
+    client = _SeedClient()
+    Agent(client, "acme", TOOLS, **agent).run_group([{"role": "user", "content": "q"}], 3)
+    return client.calls
+
+
+def test_a_seeded_agent_seeds_each_call_from_its_seed_branch_and_conversation_not_from_ids():
+    first, again = _seeds(seed=3), _seeds(seed=3)
+    assert first[0][0] == 3 and sorted(first) == sorted(again)      # the same calls, whatever order they ran in
+    continuations = [s for n, s in first if n == 1]
+    assert len(set(continuations)) == 3 and first[0][1] not in continuations   # each branch its own stream
+    assert all(0 <= s < SEED_SPAN for _, s in first)
+    assert not set(s for _, s in _seeds(seed=4)) & set(s for _, s in first)
+    assert {s for _, s in _seeds()} == {None}                                  # unseeded: no seed sent
+    assert {s for _, s in _seeds(seed=3, extra={"seed": 9})} == {9}            # an explicit one as it is
+
+
+def test_call_seed_reads_what_was_said_not_the_ids():
+    said = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "a1", "content": "2"}]
+    other_ids = [dict(m) for m in said]
+    other_ids[1] = {**said[1], "tool_calls": [{**said[1]["tool_calls"][0], "id": "b2"}]}
+    other_ids[2] = {**said[2], "tool_call_id": "b2"}
+    assert call_seed(1, 0, said) == call_seed(1, 0, other_ids)
+    assert len({call_seed(1, 0, said), call_seed(1, 1, said), call_seed(2, 0, said),
+                call_seed(1, 0, said[:2] + [{**said[2], "content": "3"}])}) == 4

@@ -37,6 +37,21 @@ def test_step_runs_groups_and_sends_each_turn_its_episode_reward(fake_openai, op
     assert traffic.problems_for(0) == ArithmeticEnv().train_problems(2, seed=1_000_003) and traffic.steps_done == 1
 
 
+def test_a_group_seed_names_each_step_s_groups_alike_in_every_traffic(fake_openai, openai_client, feedback):
+    env = ArithmeticEnv()
+
+    def groups(group_seed):
+        traffic = TenantTraffic("acme", Agent(openai_client, "acme", env.tools), env, feedback, group_size=2,
+                                prompts_per_step=2, seed=1, group_seed=group_seed)
+        fake_openai.policy = oracle(env, traffic.problems_for(0) + traffic.problems_for(1))
+        return [sorted({r.trace.group_id for r in traffic.step().rollouts}) for _ in range(2)]
+
+    assert groups("run7-e3") == [["run7-e3-0-0", "run7-e3-0-1"], ["run7-e3-1-0", "run7-e3-1-1"]]
+    assert groups("run7-e3") == groups("run7-e3")              # another traffic: the same names
+    unseeded = groups(None)
+    assert all(g.startswith("acme-") for step in unseeded for g in step) and unseeded != groups(None)
+
+
 def test_operator_corrects_wrong_answers_with_the_reference(fake_openai, openai_client, feedback, fake_webhook):
     env = ArithmeticEnv()
     fake_openai.policy = lambda body, i: "The answer is 3."

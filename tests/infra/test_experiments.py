@@ -487,6 +487,31 @@ def test_the_command_line_takes_the_learn_preset_and_overrides_it(tmp_path, monk
     assert seen[1] == BenchConfig(difficulty=None, ns=(1, 2))
     bad = runner.invoke(app, ["bench", "experiments", "--preset", "learn"])
     assert bad.exit_code == 2 and "--init-adapter" in bad.output
+    ok = runner.invoke(app, ["bench", "experiments", "--seed", "4"])
+    assert ok.exit_code == 0, ok.output
+    assert seen[-1] == BenchConfig(seed=4)
+    ok = runner.invoke(app, ["bench", "experiments", "--run-id", "b3f0-1"])
+    assert ok.exit_code == 0, ok.output
+    assert seen[-1] == BenchConfig(run_id="b3f0-1")
+    bad = runner.invoke(app, ["bench", "experiments", "--run-id", "a b"])
+    assert bad.exit_code == 2 and "--run-id" in bad.output
+
+
+def test_experiment_i_s_seed_is_i_in_both_modes_and_the_workload_seed_moves_it():
+    from clora.infra.experiments import SEED_STRIDE
+
+    stack = Stack("http://gw", "http://wh", "http://console", "http://metrics", "token")
+    a, b = (Experiment(stack, t, 3, BenchConfig(), run_id="run-1") for t in ("seq-3", "conc8-3"))
+    assert (a.seed, a.run_id) == (b.seed, b.run_id) == (3, "run-1")
+    assert Experiment(stack, "seq-3", 3, BenchConfig(seed=2)).seed == 3 + 2 * SEED_STRIDE
+    assert Experiment(stack, "x", 0, BenchConfig()).run_id != Experiment(stack, "y", 0, BenchConfig()).run_id
+
+
+def test_a_bench_records_its_drawn_run_id_and_keeps_a_given_one(tmp_path):
+    drawn = [Bench(BenchConfig(), root=tmp_path / str(i)) for i in range(2)]
+    assert drawn[0].run_id and drawn[0].run_id != drawn[1].run_id
+    assert all(b.config.run_id == b.run_id for b in drawn)      # the config, and so the JSON, records it
+    assert Bench(BenchConfig(run_id="run-7"), root=tmp_path / "given").run_id == "run-7"
 
 
 METRICS = """# TYPE clora_learner_publishes counter

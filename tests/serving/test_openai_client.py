@@ -54,6 +54,24 @@ def test_logprobs_when_asked_match_the_event(serving, tenants, client_for, inter
     assert interactions([r.id])[r.id]["completion_logprobs"] == pytest.approx(lps)
 
 
+def test_a_seed_samples_alike_through_the_gateway(serving, tenants, client_for):
+    """What `Agent.seed` (and `clora bench experiments`' paired modes) rest on: the gateway passes
+    the seed to vLLM, a seeded request samples the same tokens again at temperature 1, and a
+    group's samples (n) differ from each other."""
+    tenant, key = tenants.create(14)
+    c = client_for(key)
+
+    def sample(seed: int) -> list[str]:
+        r = c.chat.completions.create(model=tenant, messages=[{"role": "user", "content": "say anything"}],
+                                      max_tokens=12, temperature=1.0, n=2, seed=seed)
+        return [ch.message.content for ch in sorted(r.choices, key=lambda ch: ch.index)]
+
+    first = sample(5)
+    assert sample(5) == first
+    assert first[0] != first[1]                      # vLLM seeds sample i with seed + i
+    assert sample(50) != first
+
+
 def test_streaming_chat_matches_non_streaming(serving, tenants, client_for, interactions):
     tenant, key = tenants.create(13)
     c = client_for(key)
