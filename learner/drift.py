@@ -136,12 +136,13 @@ class DriftProbe:
     def _answer_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """(N, V) float32 log-probabilities of the next token at each of the batch's N answer
         positions (where `loss_mask` is 1), under the model as it is bound now."""
-        where = batch.loss_mask.bool()                                            # (B, T-1)
-        if self._head is None:
-            logits = self.trainer.model(batch.input_ids, batch.attention_mask)[:, :-1][where]
-        else:
-            decoder, lm_head = self._head
-            hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                             use_cache=False).last_hidden_state                   # (B, T, H)
-            logits = lm_head(hidden[:, :-1][where])                               # (N, V)
-        return torch.log_softmax(logits.float(), dim=-1)
+        with self.trainer.autocast():                                             # bf16 products, if set
+            where = batch.loss_mask.bool()                                        # (B, T-1)
+            if self._head is None:
+                logits = self.trainer.model(batch.input_ids, batch.attention_mask)[:, :-1][where]
+            else:
+                decoder, lm_head = self._head
+                hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 use_cache=False).last_hidden_state               # (B, T, H)
+                logits = lm_head(hidden[:, :-1][where])                           # (N, V)
+            return torch.log_softmax(logits.float(), dim=-1)

@@ -341,7 +341,8 @@ class FusedTrainer:
             params=self.slots.params, scale=self.scale,
             meta=rows.segment_meta(batch.input_ids.shape[1], self.slots.capacity, self.device), backend=self.backend,
             rows=rows, dropout=self.model.spec.dropout, generators=generators)
-        return target_logprobs(self.model, self._head, batch)
+        with self.trainer.autocast():
+            return target_logprobs(self.model, self._head, batch)
 
     def _objective(self, algorithm: str, units: list[_Unit], batches: list[TokenBatch], lps: list[torch.Tensor],
                    refs: list[torch.Tensor] | None, num_tenants: int) -> torch.Tensor:

@@ -108,7 +108,8 @@ class Learner:
                                   compute_dtype=getattr(torch, settings.compute_dtype),
                                   max_tenants=settings.max_tenants, max_host_bytes=settings.max_host_bytes)
         self.trainer = Trainer(self.model, ChatEncoder(tokenizer, settings.max_seq_len), self.store,
-                               TrainerConfig(micro_batch_size=settings.micro_batch_size, max_seq_len=settings.max_seq_len))
+                               TrainerConfig(micro_batch_size=settings.micro_batch_size, max_seq_len=settings.max_seq_len,
+                                             autocast=settings.autocast))
         self.fused = (FusedTrainer(self.trainer, settings.fused_max_tenants, settings.fused_backend,
                                    max_chunk_tokens=settings.fused_max_chunk_tokens,
                                    max_padding=settings.fused_max_padding)

@@ -61,6 +61,11 @@ class LearnerSettings(BaseSettings):
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:1`, ..."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the frozen base and LoRA compute; master weights and moments stay fp32."""
+    autocast: Literal["off", "bfloat16"] = "off"
+    """`bfloat16`: the forward passes' matrix products run in bf16 (`torch.autocast`) while every
+    weight, gradient and optimizer moment stays fp32 (`compute_dtype` float32), also on CPU. On a
+    CPU with AMX (Intel Sapphire Rapids and later) a SmolLM2 SFT step on 8 examples of 60 words
+    takes half the time; short rows save less, as the frozen base is cast again every forward."""
     num_threads: int | None = Field(default=None, ge=1)
     """torch CPU threads (None: torch's default)."""
     rank: int = Field(default=8, ge=1, le=512)

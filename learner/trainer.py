@@ -77,6 +77,19 @@ class TrainerConfig(BaseModel):
     """Examples per forward/backward; a step's batch is split into micro-batches."""
     max_seq_len: int = Field(default=512, ge=8)
     adam: AdamConfig = AdamConfig()
+    autocast: Literal["off", "bfloat16"] = "off"
+    """`bfloat16`: every forward's matrix products run in bf16 (`torch.autocast`), while the
+    weights, gradients, optimizer state and log-softmax stay fp32 (`LearnerSettings.autocast`)."""
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, mode: str) -> Iterator[None]:
+    """`TrainerConfig.autocast`'s context for a forward pass on `device` ("off": none)."""
+    if mode == "off":
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=getattr(torch, mode)):
+        yield
 
 
 @dataclass(frozen=True)
@@ -182,7 +195,12 @@ class Trainer:
         # One adapter for every row. Not with LoRA dropout in training: a shared prompt would get
         # one dropout mask for all rows instead of one each.
         share = not (self.model.training and self.model.spec.dropout > 0)
-        return target_logprobs(self.model, self._head, batch, share_prefix=share)
+        with self.autocast():
+            return target_logprobs(self.model, self._head, batch, share_prefix=share)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward passes' autocast context (`TrainerConfig.autocast`)."""
+        return autocast(self.device, self.cfg.autocast)
 
     def _loss(self, examples: Sequence[Example], policy: TrainingPolicy,
               advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:

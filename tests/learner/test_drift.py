@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from clora.learner.adapter_store import AdapterStore
 from clora.learner.base_model import load_base_model
@@ -45,6 +46,26 @@ def test_a_zero_adapter_does_not_drift_and_a_trained_one_drifts_more_as_it_train
         drifts.append(probe.measure("acme").kl)
     assert 0 < drifts[0] < drifts[1] < drifts[2] < drifts[3]
     assert base_runs == [1]                       # the base's distributions are computed once
+
+
+def test_under_autocast_a_zero_adapter_still_does_not_drift_and_a_trained_one_reads_as_in_fp32(tiny_model_dir):
+    model, tok = load_base_model(tiny_model_dir)
+    lora = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    store = AdapterStore(lora, prefetch=False)
+    probes = {mode: DriftProbe(Trainer(lora, ChatEncoder(tok, 128), store,
+                                       TrainerConfig(micro_batch_size=4, autocast=mode)), 6)
+              for mode in ("off", "bfloat16")}
+    store.register("acme", 1)
+    seen = []
+    model.get_decoder().layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    assert probes["bfloat16"].measure("acme").kl == pytest.approx(0.0, abs=1e-6)   # base and candidate alike
+    assert set(seen) == {torch.bfloat16}
+    trainer = Trainer(lora, ChatEncoder(tok, 128), store, TrainerConfig(micro_batch_size=4))
+    policy = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
+    for step in range(3):
+        trainer.train_step("acme", [sft("acme", 4 * step + k, f"q{k}?", "blue") for k in range(4)], policy)
+    fp32, bf16 = (probes[m].measure("acme").kl for m in ("off", "bfloat16"))
+    assert fp32 > 0.01 and bf16 == pytest.approx(fp32, rel=0.1)
 
 
 def test_decide_drift():

@@ -10,7 +10,7 @@ from clora.learner.adapter_store import AdapterStore
 from clora.learner.batches import ChatEncoder
 from clora.learner.losses import token_logprobs
 from clora.learner.lora import LoraModel, LoraSpec
-from clora.learner.trainer import Trainer, TrainingPolicy
+from clora.learner.trainer import Trainer, TrainerConfig, TrainingPolicy
 
 from .helpers import pref, rl, sft, sft_set
 
@@ -186,3 +186,35 @@ def test_shared_prefix_len_stops_where_rows_differ_or_a_loss_reads():
     assert shared_prefix_len(batch([same, same], first_target=M + 1)) == M + 1
     assert shared_prefix_len(batch([same, same[:M - 1] + [0] * 11], first_target=M + 8)) == 0  # too short
     assert shared_prefix_len(batch([same], first_target=M + 8)) == 0                           # one row
+
+
+def test_autocast_runs_the_forward_s_matmuls_in_bf16_and_keeps_weights_and_state_fp32(tiny):
+    model, tok = tiny
+    seen = []
+    model.get_decoder().layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    lm = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    store = AdapterStore(lm)
+    runs = {mode: Trainer(lm, ChatEncoder(tok, 64), store, TrainerConfig(autocast=mode)) for mode in ("off", "bfloat16")}
+    policy = TrainingPolicy(learning_rate=1e-2, batch_size=4)
+    losses = {}
+    for mode, tr in runs.items():
+        store.register(mode, seed=0)                       # the same start for both
+        seen.clear()
+        losses[mode] = [tr.train_step(mode, sft_set(mode, "blue"), policy).loss for _ in range(4)]
+        assert set(seen) == {torch.bfloat16 if mode == "bfloat16" else torch.float32}
+        assert store.peek(mode).buffer.dtype == torch.float32     # master weights, Adam moments, grads
+    # bf16 products (8 mantissa bits) move the loss by a few parts in a hundred, not the curve
+    assert losses["bfloat16"] == pytest.approx(losses["off"], rel=5e-2)
+    assert losses["bfloat16"] != losses["off"] and losses["bfloat16"][-1] < losses["bfloat16"][0] / 2
+
+
+def test_autocast_is_a_cpu_setting_where_a_bf16_compute_dtype_is_not():
+    from pydantic import ValidationError
+
+    from clora.learner.settings import LearnerSettings
+
+    assert LearnerSettings(device="cpu", autocast="bfloat16").autocast == "bfloat16"
+    with pytest.raises(ValidationError, match="compute_dtype"):
+        LearnerSettings(device="cpu", compute_dtype="bfloat16")
+    with pytest.raises(ValidationError, match="autocast"):
+        LearnerSettings(autocast="float16")
