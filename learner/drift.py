@@ -18,7 +18,8 @@ that changes how the model answers these prompts drifts whether or not it gets t
 
 The base's distributions never change within a learner process: they are computed once, the
 first time any candidate is scored, and kept (`DriftProbe`: answer tokens x vocabulary floats,
-~30 MB for SmolLM2 and 16 prompts). Each candidate then costs one forward over the prompts.
+~30 MB for SmolLM2 and 16 prompts). Each candidate then costs one forward over the prompts,
+grouped into micro-batches by length so that they pad little.
 
 Example: with `drift_tolerance` 0.3, a candidate whose drift is 0.12 nats per token publishes;
 one at 0.45 is refused (`decide_drift`), and the console shows the reason.
@@ -124,12 +125,18 @@ class DriftProbe:
             tokens += base.shape[0]
         return DriftReading(total / tokens, tokens, len(self.prompts))
 
+    def examples(self) -> list[SFTExample]:
+        """The prompts with their reference answers as examples, in the set's order."""
+        return [SFTExample(example_id=f"drift-{p.id}", tenant="drift", interaction_id=f"drift-{p.id}",
+                           feedback_event_id=f"drift-{p.id}", time=0.0,
+                           messages=[Message(role="user", content=p.prompt)],
+                           target=Message(role="assistant", content=p.answer)) for p in self.prompts]
+
     def _encode(self) -> list[TokenBatch]:
         enc, mb = self.trainer.encoder, self.trainer.cfg.micro_batch_size
-        examples = [SFTExample(example_id=f"drift-{p.id}", tenant="drift", interaction_id=f"drift-{p.id}",
-                               feedback_event_id=f"drift-{p.id}", time=0.0,
-                               messages=[Message(role="user", content=p.prompt)],
-                               target=Message(role="assistant", content=p.answer)) for p in self.prompts]
+        # shortest first: each micro-batch pads to its longest row, and prompts of like length
+        # together pad least (SmolLM2, 16 prompts in 8s: 584 positions against 680 in file order)
+        examples = sorted(self.examples(), key=lambda e: int(enc.sft([e]).attention_mask.sum()))
         return [enc.sft(examples[i:i + mb]).to(self.trainer.device) for i in range(0, len(examples), mb)]
 
     @torch.no_grad()

@@ -36,10 +36,12 @@ target are the continuous learner's versions alone; see `prune`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Protocol
@@ -282,33 +284,53 @@ class CanaryProbe:
     """Computes a version's canary (`clora.canary.AdapterCanary`) with the learner's own model:
     the log-probability of each token of `CANARY_MESSAGES` (chat template applied, at most
     `CANARY_MAX_TOKENS`) with the version's flat weights bound in fp32, and with the adapter
-    disabled. Two forwards over a few dozen tokens; the model's bound tenant, its modules'
-    train/eval modes and any fused multi-tenant binding are left as they were."""
+    disabled. The model's bound tenant, its modules' train/eval modes and any fused multi-tenant
+    binding are left as they were.
+
+    The base's half is computed once (the base is frozen within a process), and the last
+    `REMEMBERED` canaries are kept by the weights' digest: tenants created from one starting
+    adapter import the same weights, and each import after the first costs no forward. So a
+    publish costs one forward over a few dozen tokens, an import of weights seen just before none."""
+
+    REMEMBERED = 4
 
     def __init__(self, model: LoraModel, tokenizer):
         text = tokenizer.apply_chat_template(list(CANARY_MESSAGES), tokenize=False)
         self.prompt: list[int] = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:CANARY_MAX_TOKENS]
         self.model = model
+        self._base: list[float] | None = None
+        self._seen: OrderedDict[bytes, list[float]] = OrderedDict()
+        """Adapter log-probabilities by the digest of the fp32 weights they were computed from."""
 
     @torch.no_grad()
     def __call__(self, flat: torch.Tensor) -> AdapterCanary:
         model = self.model
         weight = next(model.model.parameters())
-        ids = torch.tensor([self.prompt], device=weight.device)                   # (1, T)
-        bound, fused, modes = model.bank.params, model.bank.fused, [(m, m.training) for m in model.modules()]
-        model.eval()
-        model.bank.fused = None                                                   # this version alone
-        try:
-            model.bind(model.layout.views(flat.detach().to(weight.device, torch.float32)))
-            adapter = self._logprobs(ids)
-            with model.adapter_disabled():
-                base = self._logprobs(ids)
-        finally:
-            model.bind(bound)
-            model.bank.fused = fused
-            for m, training in modes:
-                m.training = training
-        return AdapterCanary(prompt_token_ids=self.prompt, logprobs=adapter, base_logprobs=base,
+        flat = flat.detach().to(weight.device, torch.float32)
+        digest = hashlib.blake2b(flat.cpu().contiguous().numpy().tobytes(), digest_size=16).digest()
+        adapter = self._seen.get(digest)
+        if adapter is None or self._base is None:
+            ids = torch.tensor([self.prompt], device=weight.device)               # (1, T)
+            bound, fused, modes = model.bank.params, model.bank.fused, [(m, m.training) for m in model.modules()]
+            model.eval()
+            model.bank.fused = None                                               # this version alone
+            try:
+                if adapter is None:
+                    model.bind(model.layout.views(flat))
+                    adapter = self._logprobs(ids)
+                if self._base is None:
+                    with model.adapter_disabled():
+                        self._base = self._logprobs(ids)
+            finally:
+                model.bind(bound)
+                model.bank.fused = fused
+                for m, training in modes:
+                    m.training = training
+        self._seen[digest] = adapter
+        self._seen.move_to_end(digest)
+        while len(self._seen) > self.REMEMBERED:
+            self._seen.popitem(last=False)
+        return AdapterCanary(prompt_token_ids=self.prompt, logprobs=list(adapter), base_logprobs=list(self._base),
                              dtype=str(weight.dtype).removeprefix("torch."))
 
     def _logprobs(self, ids: torch.Tensor) -> list[float]:

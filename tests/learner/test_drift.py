@@ -68,6 +68,27 @@ def test_under_autocast_a_zero_adapter_still_does_not_drift_and_a_trained_one_re
     assert fp32 > 0.01 and bf16 == pytest.approx(fp32, rel=0.1)
 
 
+def test_the_prompts_run_in_micro_batches_of_like_length_and_measure_as_in_file_order(tiny_model_dir):
+    model, tok = load_base_model(tiny_model_dir)
+    lora = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    store = AdapterStore(lora, prefetch=False)
+    trainer = Trainer(lora, ChatEncoder(tok, 128), store, TrainerConfig(micro_batch_size=4))
+    store.register("acme", 1)
+    policy = TrainingPolicy(algorithm="sft", learning_rate=1e-2, batch_size=4)
+    trainer.train_step("acme", [sft("acme", k, f"q{k}?", "blue") for k in range(4)], policy)
+    probe = DriftProbe(trainer, 16)
+    sorted_kl = probe.measure("acme").kl
+    rows = [int(n) for b in probe._batches for n in b.attention_mask.sum(1)]
+    assert rows == sorted(rows)
+    in_file_order = DriftProbe(trainer, 16)
+    examples = in_file_order.examples()
+    in_file_order._encode = lambda: [trainer.encoder.sft(examples[i:i + 4]).to(trainer.device)
+                                     for i in range(0, len(examples), 4)]
+    assert sum(b.input_ids.numel() for b in probe._batches) < sum(
+        b.input_ids.numel() for b in in_file_order._encode())
+    assert sorted_kl > 0.01 and sorted_kl == pytest.approx(in_file_order.measure("acme").kl, rel=1e-4)
+
+
 def test_decide_drift():
     within = decide_drift(DriftReading(kl=0.12, tokens=300, prompts=16), 0.3)
     assert within.publish and "within the tenant's tolerance 0.300" in within.reason

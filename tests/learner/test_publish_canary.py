@@ -61,3 +61,24 @@ def test_a_probe_that_fails_costs_the_version_its_canary_not_its_publish(tiny, t
     p = Publisher(tmp_path / "adapters", FakeRegistry(), lambda e: None, "tiny-base", lm.layout, canary=broken)
     v = p.publish("acme", _flat(lm, 1), step=1, examples_seen=1, eval_scores={})
     assert v.version == 1 and v.canary is None and "no canary for acme v1: out of memory" in caplog.text
+
+
+def test_the_base_half_is_computed_once_and_weights_seen_just_before_cost_no_forward(tiny, tmp_path):
+    model, tok = tiny
+    lm = LoraModel(model, LoraSpec(rank=4, alpha=8))
+    probe = CanaryProbe(lm, tok)
+    forwards = []
+    lm.model.register_forward_hook(lambda m, i, out: forwards.append(1))
+    p = Publisher(tmp_path / "adapters", FakeRegistry(), lambda e: None, "tiny-base", lm.layout, canary=probe)
+    start = _flat(lm, 1)
+    first = p.publish("acme", start, step=0, examples_seen=0, eval_scores={}).canary
+    assert len(forwards) == 2                                    # the version's and the base's
+    again = p.publish("globex", start.clone(), step=0, examples_seen=0, eval_scores={}).canary
+    assert len(forwards) == 2 and again == first                 # a second tenant from the same start
+    trained = p.publish("acme", _flat(lm, 2), step=1, examples_seen=4, eval_scores={}).canary
+    assert len(forwards) == 3                                    # the version's only
+    assert trained == CanaryProbe(lm, tok)(_flat(lm, 2)) and trained.logprobs != first.logprobs
+    for seed in range(3, 3 + CanaryProbe.REMEMBERED):            # the start falls out of the last few
+        probe(_flat(lm, seed))
+    before = len(forwards)
+    assert probe(start) == first and len(forwards) == before + 1
