@@ -19,6 +19,7 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from clora.ids import served_name
 
@@ -80,19 +81,28 @@ def test_a_tenant_whose_reward_pays_for_empty_replies_is_paused_and_rolled_back(
             asked += 1
         return out
 
+    def gated(tenant: str) -> int:
+        """The learner's publish-gate decisions for `tenant` so far: one per step, published or
+        refused (`clora_learner_publishes`)."""
+        metrics = httpx.get(f"http://127.0.0.1:{env['CLORA_LEARNER_METRICS_PORT']}/metrics").text
+        return round(sum(s.value for family in text_string_to_metric_families(metrics)
+                         if family.name == "clora_learner_publishes" for s in family.samples
+                         if s.name == "clora_learner_publishes_total" and s.labels.get("tenant") == tenant))
+
     def train(tenant: str, replies: list, correction: str) -> None:
-        """Correct 4 replies; when the learner then holds 4 examples it has not trained on (about
-        one in ten corrections is held out), wait for the version its step publishes."""
-        published = len(versions(tenant)["versions"])
+        """Correct 4 replies, then wait until the learner's gate has decided on every step it takes
+        on them: one per 4 trained examples (about one in ten corrections is held out). A step
+        may be refused (the held-out loss of a tiny model can double in one step, beyond even
+        eval_tolerance 1.0), so it waits for the decision, not for a version."""
         for r in replies[:4]:
             feedback(tenant, {"interaction_id": r.id, "source": "operator",
                               "correction": {"role": "assistant", "content": correction}})
         corrected[tenant] += 4
         depth = lambda: (detail(tenant)["buffer_depth"]["sft"], detail(tenant)["heldout_depth"]["sft"])
         wait_for(lambda: sum(depth()) == corrected[tenant], 60, interval=0.5, what=f"{tenant}'s corrections")
-        if depth()[0] - 4 * published >= 4:    # every step publishes (eval_tolerance 1, no drift limit)
-            wait_for(lambda: len(versions(tenant)["versions"]) > published or detail(tenant)["paused"], 90,
-                     interval=0.5, what=f"{tenant}'s next version")
+        steps = depth()[0] // 4                # batch_size = min_new_examples = 4, a gate every step
+        wait_for(lambda: gated(tenant) >= steps or detail(tenant)["paused"], 90, interval=0.5,
+                 what=f"the gate's decision on {tenant}'s step {steps}")
 
     # rounds: the hacker's live version serves, the injected reward scores every reply, and the
     # operator's corrections train it on; the honest tenant trains beside it
